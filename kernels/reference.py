@@ -1,0 +1,124 @@
+"""Pure-torch reference ops: the correctness oracle for every accelerated kernel, and the CPU path.
+
+* :func:`rms_norm`, :func:`apply_rope`: as in HF transformers' Llama (``LlamaRMSNorm``,
+  ``apply_rotary_pos_emb`` with the half-split ``rotate_half`` layout).
+* :func:`extend_attention`: new tokens of each sequence attend to the sequence's cached prefix
+  and causally to each other (one SDPA call per sequence; prefill is compute bound, so the loop
+  over sequences costs little).
+* :func:`decode_attention`: one query per sequence over a padded [B, max_len] gather of its KV
+  (one batched call per layer; the index rows and mask are built once per batch).
+GQA is handled by grouping query heads per KV head, never by copying K/V.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.base import AttentionInputs
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [T, H] any float dtype; computed in float32, scaled in x's dtype. Returns [T, H]."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, D]; cos/sin: [T, D] in x's dtype. Returns the rotated [T, heads, D]."""
+    return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
+
+
+def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     req_to_token: torch.Tensor, req_rows: list[int], prefix_lens: list[int],
+                     extend_lens: list[int], scale: float) -> torch.Tensor:
+    """q: [T, Hq, D]; k_cache/v_cache: [C, Hkv, D] already holding the new tokens' K/V.
+
+    Returns [T, Hq, D]: token i of sequence b (position prefix_lens[b] + i) attends to positions
+    [0, prefix_lens[b] + i] of that sequence.
+    """
+    out = torch.empty_like(q)
+    start = 0
+    for row, prefix, n in zip(req_rows, prefix_lens, extend_lens):
+        total = prefix + n
+        idx = req_to_token[row, :total]
+        k = k_cache[idx].transpose(0, 1)  # [Hkv, L, D]
+        v = v_cache[idx].transpose(0, 1)
+        qb = q[start:start + n].transpose(0, 1)  # [Hq, n, D]
+        if prefix == 0:
+            o = F.scaled_dot_product_attention(qb, k, v, is_causal=True, scale=scale,
+                                               enable_gqa=True)
+        else:
+            cols = torch.arange(total, device=q.device)
+            rows = torch.arange(prefix, total, device=q.device)
+            mask = cols[None, :] <= rows[:, None]  # [n, L]
+            o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale,
+                                               enable_gqa=True)
+        out[start:start + n] = o.transpose(0, 1)
+        start += n
+    return out
+
+
+def decode_indices(req_to_token: torch.Tensor, req_rows: list[int],
+                   seq_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Padded KV index rows [B, max_len] (int64) and validity mask [B, max_len] (bool)."""
+    max_len = max(seq_lens)
+    device = req_to_token.device
+    rows = torch.tensor(req_rows, dtype=torch.int64, device=device)
+    lens = torch.tensor(seq_lens, dtype=torch.int64, device=device)
+    indices = req_to_token[rows, :max_len]
+    mask = torch.arange(max_len, device=device)[None, :] < lens[:, None]
+    # Entries past a sequence's length may be stale; point them at slot 0 (always valid memory).
+    return indices.masked_fill(~mask, 0), mask
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     indices: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """q: [B, Hq, D]; indices/mask: [B, L] from :func:`decode_indices`. Returns [B, Hq, D]."""
+    b, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    k = k_cache[indices]  # [B, L, Hkv, D]
+    v = v_cache[indices]
+    qg = q.view(b, hkv, hq // hkv, d)  # query heads grouped under their KV head
+    scores = torch.einsum("bhgd,blhd->bhgl", qg, k).float() * scale
+    scores.masked_fill_(~mask[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    return torch.einsum("bhgl,blhd->bhgd", probs, v).reshape(b, hq, d)
+
+
+class ReferenceAttention:
+    """:class:`kernels.base.AttentionBackend` built from the functions above."""
+
+    name = "reference"
+
+    def __init__(self, k_buffers: list[torch.Tensor], v_buffers: list[torch.Tensor]):
+        self.k_buffers = k_buffers
+        self.v_buffers = v_buffers
+        self.inputs: AttentionInputs | None = None
+        self._decode_meta: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def begin(self, inputs: AttentionInputs) -> None:
+        self.inputs = inputs
+        self._decode_meta = (decode_indices(inputs.req_to_token, inputs.req_rows, inputs.seq_lens)
+                             if inputs.is_decode else None)
+
+    def store_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        loc = self.inputs.out_cache_loc
+        self.k_buffers[layer][loc] = k
+        self.v_buffers[layer][loc] = v
+
+    def attend(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+        inp = self.inputs
+        if inp.is_decode:
+            indices, mask = self._decode_meta
+            return decode_attention(q, self.k_buffers[layer], self.v_buffers[layer], indices,
+                                    mask, scale)
+        return extend_attention(q, self.k_buffers[layer], self.v_buffers[layer],
+                                inp.req_to_token, inp.req_rows, inp.prefix_lens,
+                                inp.extend_lens, scale)

@@ -1,0 +1,63 @@
+"""TokenKVPool: per-layer K/V buffers with a slot allocator; a page is one token.
+
+Slot 0 is reserved as a padding target (attention kernels may read it for masked positions), so
+``capacity`` usable slots are numbered 1..capacity. Allocation takes arbitrary counts from a free
+list; since every page is one token there is no fragmentation to manage.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class OutOfSlotsError(RuntimeError):
+    """Fewer free slots than requested; nothing was allocated."""
+
+
+class TokenKVPool:
+    """K/V storage for ``capacity`` tokens and its slot free list.
+
+    Args:
+        capacity: usable token slots.
+        num_layers, num_kv_heads, head_dim: buffer shapes; ``num_layers=0`` gives an allocator
+            with no buffers (scheduler tests with a fake runner).
+        dtype, device: of the buffers.
+
+    Attributes:
+        k_buffers, v_buffers: per layer, [capacity + 1, num_kv_heads, head_dim].
+    """
+
+    def __init__(self, capacity: int, num_layers: int = 0, num_kv_heads: int = 1,
+                 head_dim: int = 1, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu"):
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self.device = torch.device(device)
+        shape = (capacity + 1, num_kv_heads, head_dim)
+        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self._free = torch.arange(1, capacity + 1, dtype=torch.int64)
+
+    @property
+    def num_free(self) -> int:
+        return int(self._free.numel())
+
+    def alloc(self, n: int) -> torch.Tensor:
+        """Take ``n`` slots; returns [n] int64 slot ids (CPU). Raises OutOfSlotsError."""
+        if n > self._free.numel():
+            raise OutOfSlotsError(f"requested {n} KV slots, {self._free.numel()} free")
+        out, self._free = self._free[:n], self._free[n:]
+        return out
+
+    def free(self, slots: torch.Tensor) -> None:
+        """Return slots to the free list. The caller guarantees each is currently allocated."""
+        if slots.numel():
+            self._free = torch.cat((self._free, slots.to(torch.int64).cpu()))
+
+    def bytes_per_token(self) -> int:
+        """K+V bytes one slot takes over all layers."""
+        if not self.k_buffers:
+            return 0
+        b = self.k_buffers[0]
+        return 2 * len(self.k_buffers) * b.shape[1] * b.shape[2] * b.element_size()

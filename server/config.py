@@ -1,0 +1,182 @@
+"""Runtime configuration: one frozen dataclass per role.
+
+Only the CLI (``server/__main__.py``) reads argv and the environment; everything else receives
+these objects. "auto" values (dtype, KV capacity) are resolved by :func:`resolve` into a new
+config once the model's size and the machine are known, so every later reader sees concrete
+numbers.
+
+Errors: invalid values raise :class:`ConfigError` (a ``ValueError``) naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+           "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16}
+SCHEDULE_POLICIES = ("fcfs",)
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field and the accepted values."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which weights to load and how.
+
+    Attributes:
+        path: HF directory (config.json + *.safetensors + tokenizer files), a ``.gguf`` file, a
+            directory holding one ``.gguf``, or None for the embedded SmolLM2-135M-Instruct.
+        dtype: "auto" (float32 on CPU, bfloat16 on CUDA), "float32", "float16" or "bfloat16".
+        device: "cpu" or "cuda[:N]".
+        context_length: max tokens per sequence (prompt + output); None = the model's own.
+        served_model_name: name reported by the APIs; None = derived from the path.
+    """
+
+    path: str | None = None
+    dtype: str = "auto"
+    device: str = "cpu"
+    context_length: int | None = None
+    served_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ConfigError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.context_length is not None and self.context_length < 2:
+            raise ConfigError(f"context_length must be >= 2, got {self.context_length}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The compute dtype; only valid after :func:`resolve` (dtype != "auto")."""
+        if self.dtype == "auto":
+            raise ConfigError("dtype 'auto' must be resolved first (server.config.resolve)")
+        return _DTYPES[self.dtype]
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """KV memory.
+
+    Attributes:
+        max_total_tokens: KV pool capacity in tokens (shared by running requests and, from [2/9],
+            the radix cache); None = derived from ``mem_fraction`` of available memory.
+        mem_fraction: fraction of available host (CPU) or free device (GPU) memory for the pool.
+    """
+
+    max_total_tokens: int | None = None
+    mem_fraction: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.max_total_tokens is not None and self.max_total_tokens < 16:
+            raise ConfigError(f"max_total_tokens must be >= 16, got {self.max_total_tokens}")
+        if not 0.0 < self.mem_fraction < 1.0:
+            raise ConfigError(f"mem_fraction must be in (0, 1), got {self.mem_fraction}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching.
+
+    Attributes:
+        max_running_requests: most requests decoding at once (rows of the request table).
+        chunked_prefill_size: token budget of one extend batch; longer prompts are prefilled in
+            chunks of at most this many tokens.
+        schedule_policy: order of the waiting queue ("fcfs"; [2/9] adds lpm, dfs_weight, random).
+        max_new_tokens_reserve: when admitting, each running request is assumed to still need
+            min(remaining max_new_tokens, this) KV slots; a wrong guess is corrected by retraction.
+    """
+
+    max_running_requests: int = 128
+    chunked_prefill_size: int = 1024
+    schedule_policy: str = "fcfs"
+    max_new_tokens_reserve: int = 256
+
+    def __post_init__(self) -> None:
+        if self.max_running_requests < 1:
+            raise ConfigError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
+        if self.chunked_prefill_size < 1:
+            raise ConfigError(f"chunked_prefill_size must be >= 1, got {self.chunked_prefill_size}")
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ConfigError(
+                f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
+        if self.max_new_tokens_reserve < 1:
+            raise ConfigError("max_new_tokens_reserve must be >= 1")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an :class:`server.engine.Engine` (and later the scheduler process) needs."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    seed: int = 0
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+        """Build from flat keyword arguments (``model=``, ``dtype=``, ``max_total_tokens=`` ...).
+
+        ``model`` maps to ``ModelConfig.path``. Raises ConfigError for an unknown keyword.
+        """
+        kwargs = dict(kwargs)
+        if "model" in kwargs:
+            kwargs["path"] = kwargs.pop("model")
+        parts = {}
+        for name, klass in (("model", ModelConfig), ("cache", CacheConfig),
+                            ("scheduler", SchedulerConfig)):
+            names = {f.name for f in dataclasses.fields(klass)}
+            parts[name] = klass(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
+        seed = kwargs.pop("seed", 0)
+        if kwargs:
+            raise ConfigError(f"unknown engine option(s): {sorted(kwargs)}")
+        return cls(seed=seed, **parts)
+
+
+def available_memory_bytes(device: str) -> int:
+    """Free memory usable for the KV pool: free device memory on CUDA, available RAM on CPU."""
+    if device.startswith("cuda"):
+        free, _total = torch.cuda.mem_get_info(torch.device(device))
+        return int(free)
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def resolve(config: EngineConfig, *, kv_elements_per_token: int, model_context_length: int,
+            available_bytes: int | None = None) -> EngineConfig:
+    """Return a copy of ``config`` with every "auto"/None value made concrete.
+
+    Args:
+        kv_elements_per_token: K+V elements one token takes over all layers
+            (2 * layers * kv_heads * head_dim); multiplied by the resolved dtype's size.
+        model_context_length: the model's own maximum sequence length in tokens.
+        available_bytes: memory to size the pool from; None = measured on ``config.model.device``.
+
+    Raises:
+        ConfigError: the pool would hold fewer than 16 tokens, or context_length exceeds the model's.
+    """
+    model, cache = config.model, config.cache
+    if model.dtype == "auto":
+        model = dataclasses.replace(
+            model, dtype="bfloat16" if model.device.startswith("cuda") else "float32")
+    ctx = model.context_length or model_context_length
+    if ctx > model_context_length:
+        raise ConfigError(
+            f"context_length {ctx} exceeds the model's maximum {model_context_length}")
+    model = dataclasses.replace(model, context_length=ctx)
+    kv_bytes_per_token = kv_elements_per_token * model.torch_dtype.itemsize
+    if cache.max_total_tokens is None:
+        avail = available_memory_bytes(model.device) if available_bytes is None else available_bytes
+        tokens = int(avail * cache.mem_fraction) // max(kv_bytes_per_token, 1)
+        # On CPU, more than ~256k tokens of KV only slows allocation; the cap is generous.
+        tokens = min(tokens, 1 << 18)
+        if tokens < 16:
+            raise ConfigError(
+                f"only {avail} bytes available: the KV pool would hold {tokens} tokens; "
+                "set max_total_tokens or mem_fraction")
+        cache = dataclasses.replace(cache, max_total_tokens=tokens)
+    return dataclasses.replace(config, model=model, cache=cache)

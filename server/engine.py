@@ -1,0 +1,172 @@
+"""In-process Engine: the same scheduler and runner as the server, without HTTP or IPC.
+
+Used for offline batches, tests, benchmarks and (later) the frontend's in-process backend::
+
+    from server.engine import Engine
+    engine = Engine()  # the embedded SmolLM2-135M-Instruct
+    out = engine.generate(engine.apply_chat_template([{"role": "user", "content": "Hi"}]),
+                          {"max_new_tokens": 32, "temperature": 0})
+    out["text"], out["meta_info"]["completion_tokens"]
+
+Outputs follow the native ``/generate`` response: ``{"text", "output_ids", "meta_info": {"id",
+"prompt_tokens", "completion_tokens", "finish_reason", and logprob lists when asked}}``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from typing import Any, Iterator, Mapping, Sequence
+
+import torch
+
+from server.cache.kv_pool import TokenKVPool
+from server.cache.req_table import ReqToTokenTable
+from server.config import EngineConfig, resolve
+from server.detokenizer import IncrementalDetokenizer
+from server.model.loader import load_model
+from server.model.runner import ModelRunner
+from server.model.sampling import Sampler, SamplingParams
+from server.scheduler.request import LogprobOptions, Req
+from server.scheduler.scheduler import InvalidRequestError, Scheduler, TokenDelta
+
+Prompt = str | Sequence[int]
+
+
+class Engine:
+    """Load a model and serve batched generation in this process.
+
+    Args:
+        model: model path (see :mod:`server.model.loader`); None = the embedded default.
+        **kwargs: any field of ModelConfig (dtype, device, context_length, served_model_name),
+            CacheConfig (max_total_tokens, mem_fraction), SchedulerConfig (max_running_requests,
+            chunked_prefill_size, schedule_policy, max_new_tokens_reserve), or ``seed``.
+
+    Raises:
+        server.config.ConfigError, server.model.loader.ModelLoadError.
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any):
+        config = EngineConfig.from_kwargs(model=model, **kwargs)
+        loaded = load_model(config.model.path)
+        self.config = resolve(config, kv_elements_per_token=loaded.arch.kv_elements_per_token,
+                              model_context_length=loaded.arch.max_position_embeddings)
+        mc, cc, sc = self.config.model, self.config.cache, self.config.scheduler
+        torch.manual_seed(self.config.seed)
+        self.arch = loaded.arch
+        self.tokenizer = loaded.tokenizer
+        self.model_name = mc.served_model_name or loaded.name
+        self.context_len = mc.context_length
+        self.kv_pool = TokenKVPool(cc.max_total_tokens, loaded.arch.num_layers,
+                                   loaded.arch.num_kv_heads, loaded.arch.head_dim,
+                                   dtype=mc.torch_dtype, device=mc.device)
+        self.req_table = ReqToTokenTable(sc.max_running_requests, self.context_len, mc.device)
+        self.runner = ModelRunner(loaded, self.kv_pool, dtype=mc.torch_dtype, device=mc.device,
+                                  max_positions=self.context_len)
+        self.scheduler = Scheduler(sc, self.kv_pool, self.req_table,
+                                   vocab_size=loaded.arch.vocab_size, context_len=self.context_len,
+                                   sampler=Sampler(self.config.seed))
+        self.eos_ids = frozenset(self._eos_ids())
+
+    def _eos_ids(self) -> set[int]:
+        ids = set(self.arch.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return ids
+
+    # ---------------------------------------------------------------- helpers
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]],
+                            add_generation_prompt: bool = True) -> str:
+        """Render chat messages with the model's own template (text, not tokens)."""
+        return self.tokenizer.apply_chat_template(
+            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def encode(self, text: str) -> list[int]:
+        """Tokenize a prompt (the tokenizer's own special-token rules, e.g. a BOS)."""
+        return self.tokenizer(text)["input_ids"]
+
+    def make_request(self, prompt: Prompt, params: SamplingParams,
+                     logprobs: LogprobOptions = LogprobOptions(), rid: str | None = None) -> Req:
+        """Tokenize and wrap one prompt (str or token ids) as a scheduler request."""
+        ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        return Req(rid=rid or uuid.uuid4().hex, input_ids=ids, params=params,
+                   detokenizer=IncrementalDetokenizer(self.tokenizer, ids, params.stop,
+                                                      params.skip_special_tokens),
+                   eos_ids=self.eos_ids, logprobs=logprobs)
+
+    # ---------------------------------------------------------------- generation
+    def generate(self, prompt: Prompt | Sequence[Prompt] | None = None,
+                 sampling_params: Mapping[str, Any] | SamplingParams | None = None, *,
+                 input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+                 return_logprob: bool = False, logprob_start_len: int = -1,
+                 top_logprobs_num: int = 0) -> dict | list[dict]:
+        """Generate for one prompt (returns a dict) or a batch (returns a list).
+
+        ``prompt`` is text or a list of texts; ``input_ids`` token ids or a list of them. With
+        ``n > 1`` a single prompt returns a list of n outputs, a batch a flat list (prompt-major).
+
+        Raises:
+            SamplingParamsError, InvalidRequestError: before anything is queued.
+        """
+        if (prompt is None) == (input_ids is None):
+            raise InvalidRequestError("prompt", "give exactly one of prompt and input_ids")
+        single = isinstance(prompt, str) or (input_ids is not None and (
+            len(input_ids) == 0 or isinstance(input_ids[0], int)))
+        prompts: list[Prompt] = ([prompt if prompt is not None else input_ids] if single
+                                 else list(prompt if prompt is not None else input_ids))
+        params = (sampling_params if isinstance(sampling_params, SamplingParams)
+                  else SamplingParams.from_dict(sampling_params))
+        lp = LogprobOptions(return_logprob, logprob_start_len, top_logprobs_num)
+        reqs = []
+        for p in prompts:
+            for i in range(params.n):
+                seeded = params if params.seed is None or params.n == 1 else \
+                    _replace_seed(params, params.seed + i)
+                reqs.append(self.make_request(p, seeded, lp))
+        outputs = self.run(reqs)
+        return outputs[0] if single and params.n == 1 else outputs
+
+    def run(self, reqs: Sequence[Req]) -> list[dict]:
+        """Queue ``reqs`` and step until all finish; outputs in the same order.
+
+        Validation errors are raised before any of them is queued.
+        """
+        for req in reqs:  # validate all first, so a bad one queues nothing
+            self.scheduler.validate(req)
+        start = time.perf_counter()
+        for req in reqs:
+            self.scheduler.add_request(req)
+        for _ in self.stream_steps():
+            pass
+        elapsed = time.perf_counter() - start
+        return [self._output(r, elapsed) for r in reqs]
+
+    def stream_steps(self) -> Iterator[list[TokenDelta]]:
+        """Run scheduler steps until idle, yielding each step's token deltas."""
+        while self.scheduler.has_work:
+            batch = self.scheduler.step()
+            if batch is None:
+                raise RuntimeError("scheduler has queued work but cannot schedule it")
+            yield self.scheduler.update(batch, self.runner.forward(batch))
+
+    @staticmethod
+    def _output(req: Req, elapsed: float) -> dict:
+        meta: dict[str, Any] = {
+            "id": req.rid,
+            "prompt_tokens": len(req.input_ids),
+            "completion_tokens": len(req.output_ids),
+            "finish_reason": req.finish_reason.to_dict() if req.finish_reason else None,
+            "e2e_latency": elapsed,
+        }
+        if req.logprobs.return_logprob:
+            meta["output_token_logprobs"] = req.output_token_logprobs
+            meta["input_token_logprobs"] = req.input_token_logprobs
+            if req.logprobs.top_logprobs_num:
+                meta["output_top_logprobs"] = req.output_top_logprobs
+                meta["input_top_logprobs"] = req.input_top_logprobs
+        return {"text": req.text, "output_ids": list(req.output_ids), "meta_info": meta}
+
+
+def _replace_seed(params: SamplingParams, seed: int) -> SamplingParams:
+    return dataclasses.replace(params, seed=seed, n=1)

@@ -1,0 +1,164 @@
+"""Model hyper-parameters of a Llama-family decoder, read from HF ``config.json`` or GGUF metadata.
+
+One frozen :class:`ArchConfig` describes Llama 2/3 (incl. llama3 RoPE scaling), SmolLM2 (tied
+embeddings), Qwen2 (QKV bias) and Mistral (no sliding window) models; :mod:`server.model.llama`
+needs nothing else.
+
+Errors: an unsupported architecture or option raises :class:`UnsupportedModelError`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+class UnsupportedModelError(ValueError):
+    """The model's architecture or one of its options is not implemented here."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling (HF ``rope_type``: "linear" or "llama3")."""
+
+    rope_type: str
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ArchConfig:
+    """Shapes and constants of the decoder. Sizes are element counts; lengths are tokens."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    rope_scaling: RopeScaling | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise UnsupportedModelError(
+                f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+
+    @property
+    def kv_elements_per_token(self) -> int:
+        """K and V elements one token occupies over all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_hf(cls, cfg: Mapping[str, Any]) -> "ArchConfig":
+        """Parse an HF ``config.json`` dict (transformers 4.x ``rope_scaling`` or 5.x
+        ``rope_parameters`` layouts)."""
+        model_type = cfg.get("model_type", "llama")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModelError(
+                f"model_type {model_type!r} is not supported (supported: {SUPPORTED_MODEL_TYPES})")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise UnsupportedModelError(f"hidden_act {cfg.get('hidden_act')!r} (only silu)")
+        max_pos = int(cfg.get("max_position_embeddings", 4096))
+        window = cfg.get("sliding_window")
+        if window is not None and cfg.get("use_sliding_window", model_type == "mistral") \
+                and window < max_pos:
+            raise UnsupportedModelError(
+                f"sliding-window attention (window {window} < context {max_pos}) is not supported")
+        rope = dict(cfg.get("rope_parameters") or {})
+        legacy = cfg.get("rope_scaling") or {}
+        rope = {**legacy, **rope}
+        theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        scaling = None
+        if rope_type == "linear":
+            scaling = RopeScaling("linear", factor=float(rope["factor"]))
+        elif rope_type == "llama3":
+            scaling = RopeScaling(
+                "llama3", factor=float(rope["factor"]),
+                low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+                high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+                original_max_position_embeddings=int(rope["original_max_position_embeddings"]))
+        elif rope_type != "default":
+            raise UnsupportedModelError(f"rope_type {rope_type!r} is not supported")
+        heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        attn_bias = bool(cfg.get("attention_bias", False))
+        return cls(
+            model_type=model_type,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            max_position_embeddings=max_pos,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=attn_bias or model_type == "qwen2",
+            o_bias=attn_bias and model_type != "qwen2",
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            rope_scaling=scaling,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    @classmethod
+    def from_gguf(cls, meta: Mapping[str, Any], *, has_output_tensor: bool,
+                  has_qkv_bias: bool) -> "ArchConfig":
+        """Parse GGUF key/value metadata (``{arch}.block_count`` etc.).
+
+        llama3-style RoPE scaling in GGUF is carried as a ``rope_freqs.weight`` tensor that the
+        loader applies directly, so it is not represented here.
+        """
+        arch = meta["general.architecture"]
+        if arch not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModelError(
+                f"GGUF architecture {arch!r} is not supported (supported: {SUPPORTED_MODEL_TYPES})")
+
+        def get(key: str, default: Any = None) -> Any:
+            return meta.get(f"{arch}.{key}", default)
+
+        heads = int(get("attention.head_count"))
+        hidden = int(get("embedding_length"))
+        vocab = get("vocab_size") or len(meta.get("tokenizer.ggml.tokens", ()))
+        scaling = None
+        if get("rope.scaling.type") == "linear":
+            scaling = RopeScaling("linear", factor=float(get("rope.scaling.factor")))
+        eos = meta.get("tokenizer.ggml.eos_token_id")
+        return cls(
+            model_type=arch,
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            intermediate_size=int(get("feed_forward_length")),
+            num_layers=int(get("block_count")),
+            num_heads=heads,
+            num_kv_heads=int(get("attention.head_count_kv", heads)),
+            head_dim=int(get("attention.key_length", hidden // heads)),
+            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_theta=float(get("rope.freq_base", 10000.0)),
+            max_position_embeddings=int(get("context_length", 4096)),
+            tie_word_embeddings=not has_output_tensor,
+            qkv_bias=has_qkv_bias,
+            rope_scaling=scaling,
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=() if eos is None else (int(eos),),
+        )

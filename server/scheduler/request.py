@@ -1,0 +1,113 @@
+"""Req: one sequence's state inside the scheduler.
+
+Lengths (tokens), always ``0 <= computed_len <= len(fill_ids)``:
+  * ``fill_ids = input_ids + output_ids``; the last output token's KV is computed by the next
+    decode step, so while decoding ``computed_len == len(fill_ids) - 1``.
+  * ``computed_len``: positions whose KV is in the pool (slots in the request's table row).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from server.detokenizer import IncrementalDetokenizer
+from server.model.sampling import SamplingParams, SamplingState, make_generator
+
+
+class ReqStatus(enum.Enum):
+    WAITING = "waiting"      # queued; holds no KV
+    PREFILLING = "prefilling"  # admitted; prompt partly computed (chunked prefill)
+    RUNNING = "running"      # decoding
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class FinishReason:
+    """type: "stop" (EOS, stop token or stop string), "length", "abort" or "error"."""
+
+    type: str
+    matched: int | str | None = None
+    message: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"type": self.type}
+        if self.matched is not None:
+            d["matched"] = self.matched
+        if self.message is not None:
+            d["message"] = self.message
+        return d
+
+
+@dataclass(frozen=True)
+class LogprobOptions:
+    """return_logprob: collect output logprobs; logprob_start_len: first prompt position whose
+    logprob is returned (-1: none); top_logprobs_num: top alternatives per position."""
+
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+
+
+@dataclass
+class Req:
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer | None
+    eos_ids: frozenset[int] = frozenset()
+    logprobs: LogprobOptions = field(default_factory=LogprobOptions)
+    output_ids: list[int] = field(default_factory=list)
+    status: ReqStatus = ReqStatus.WAITING
+    row: int | None = None
+    computed_len: int = 0
+    finish_reason: FinishReason | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    # logprob results: lists of (logprob | None, token_id), and top-k lists per position
+    input_token_logprobs: list[tuple[float | None, int]] = field(default_factory=list)
+    input_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    output_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    num_retractions: int = 0
+
+    def __post_init__(self) -> None:
+        self.sampling = SamplingState(self.params, self.input_ids, self.output_ids,
+                                      make_generator(self.params.seed))
+
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.input_ids + self.output_ids
+
+    @property
+    def fill_len(self) -> int:
+        return len(self.input_ids) + len(self.output_ids)
+
+    @property
+    def uncomputed_len(self) -> int:
+        """Tokens of fill_ids whose KV is not yet in the pool."""
+        return self.fill_len - self.computed_len
+
+    @property
+    def finished(self) -> bool:
+        return self.status is ReqStatus.FINISHED
+
+    @property
+    def remaining_new_tokens(self) -> int:
+        return self.params.max_new_tokens - len(self.output_ids)
+
+    @property
+    def wants_input_logprobs(self) -> bool:
+        return self.logprobs.return_logprob and self.logprobs.logprob_start_len >= 0
+
+    def banned_ids(self) -> tuple[int, ...]:
+        """Tokens that may not be sampled now: EOS and stop ids before min_new_tokens."""
+        if len(self.output_ids) >= self.params.min_new_tokens:
+            return ()
+        return tuple(sorted(set(self.params.stop_token_ids)
+                            | (set() if self.params.ignore_eos else set(self.eos_ids))))
+
+    @property
+    def text(self) -> str:
+        return self.detokenizer.text if self.detokenizer is not None else ""

@@ -1,0 +1,2 @@
+"""LangChain adapter: ``ChatSGLang`` with grammar-enforced structured output and tools
+(issue [7/9])."""
