@@ -7,7 +7,11 @@
   over sequences costs little).
 * :func:`decode_attention`: one query per sequence over a padded [B, max_len] gather of its KV
   (one batched call per layer; the index rows and mask are built once per batch).
-GQA is handled by grouping query heads per KV head, never by copying K/V.
+
+Both compute attention in float32 whatever the KV dtype (outputs are cast back): on a 2-core
+AVX-512 CPU this was both faster than bf16 SDPA/einsum (2.4x at batch 32, 300 tokens) and 5x
+more accurate. K/V rows are gathered with ``index_select`` on a flat index, 5-8x faster than
+advanced indexing. GQA goes through SDPA's ``enable_gqa``, never by copying K/V per query head.
 """
 
 from __future__ import annotations
@@ -48,9 +52,9 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     for row, prefix, n in zip(req_rows, prefix_lens, extend_lens):
         total = prefix + n
         idx = req_to_token[row, :total]
-        k = k_cache[idx].transpose(0, 1)  # [Hkv, L, D]
-        v = v_cache[idx].transpose(0, 1)
-        qb = q[start:start + n].transpose(0, 1)  # [Hq, n, D]
+        k = k_cache.index_select(0, idx).transpose(0, 1).float()  # [Hkv, L, D]
+        v = v_cache.index_select(0, idx).transpose(0, 1).float()
+        qb = q[start:start + n].transpose(0, 1).float()  # [Hq, n, D]
         if prefix == 0:
             o = F.scaled_dot_product_attention(qb, k, v, is_causal=True, scale=scale,
                                                enable_gqa=True)
@@ -60,7 +64,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             mask = cols[None, :] <= rows[:, None]  # [n, L]
             o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale,
                                                enable_gqa=True)
-        out[start:start + n] = o.transpose(0, 1)
+        out[start:start + n] = o.transpose(0, 1).to(q.dtype)
         start += n
     return out
 
@@ -82,14 +86,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      indices: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
     """q: [B, Hq, D]; indices/mask: [B, L] from :func:`decode_indices`. Returns [B, Hq, D]."""
     b, hq, d = q.shape
-    hkv = k_cache.shape[1]
-    k = k_cache[indices]  # [B, L, Hkv, D]
-    v = v_cache[indices]
-    qg = q.view(b, hkv, hq // hkv, d)  # query heads grouped under their KV head
-    scores = torch.einsum("bhgd,blhd->bhgl", qg, k).float() * scale
-    scores.masked_fill_(~mask[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(q.dtype)
-    return torch.einsum("bhgl,blhd->bhgd", probs, v).reshape(b, hq, d)
+    length, hkv = indices.shape[1], k_cache.shape[1]
+    flat = indices.reshape(-1)
+    k = k_cache.index_select(0, flat).view(b, length, hkv, d).transpose(1, 2).float()
+    v = v_cache.index_select(0, flat).view(b, length, hkv, d).transpose(1, 2).float()
+    o = F.scaled_dot_product_attention(q[:, :, None, :].float(), k, v,
+                                       attn_mask=mask[:, None, None, :], scale=scale,
+                                       enable_gqa=True)  # [B, Hq, 1, D]
+    return o[:, :, 0, :].to(q.dtype)
 
 
 class ReferenceAttention:

@@ -33,7 +33,8 @@ class ModelConfig:
     Attributes:
         path: HF directory (config.json + *.safetensors + tokenizer files), a ``.gguf`` file, a
             directory holding one ``.gguf``, or None for the embedded SmolLM2-135M-Instruct.
-        dtype: "auto" (float32 on CPU, bfloat16 on CUDA), "float32", "float16" or "bfloat16".
+        dtype: "auto" (bfloat16 on CUDA and on CPUs with native bf16 arithmetic, else float32),
+            "float32", "float16" or "bfloat16".
         device: "cpu" or "cuda[:N]".
         context_length: max tokens per sequence (prompt + output); None = the model's own.
         served_model_name: name reported by the APIs; None = derived from the path.
@@ -147,7 +148,7 @@ def available_memory_bytes(device: str) -> int:
 
 
 def resolve(config: EngineConfig, *, kv_elements_per_token: int, model_context_length: int,
-            available_bytes: int | None = None) -> EngineConfig:
+            available_bytes: int | None = None, cpu_native_bf16: bool = False) -> EngineConfig:
     """Return a copy of ``config`` with every "auto"/None value made concrete.
 
     Args:
@@ -155,14 +156,16 @@ def resolve(config: EngineConfig, *, kv_elements_per_token: int, model_context_l
             (2 * layers * kv_heads * head_dim); multiplied by the resolved dtype's size.
         model_context_length: the model's own maximum sequence length in tokens.
         available_bytes: memory to size the pool from; None = measured on ``config.model.device``.
+        cpu_native_bf16: the CPU has bf16 instructions (``kernels.cpu_has_native_bf16``); then
+            "auto" picks bfloat16 on CPU too (measured 1.8-6x faster matmuls than float32).
 
     Raises:
         ConfigError: the pool would hold fewer than 16 tokens, or context_length exceeds the model's.
     """
     model, cache = config.model, config.cache
     if model.dtype == "auto":
-        model = dataclasses.replace(
-            model, dtype="bfloat16" if model.device.startswith("cuda") else "float32")
+        bf16 = model.device.startswith("cuda") or cpu_native_bf16
+        model = dataclasses.replace(model, dtype="bfloat16" if bf16 else "float32")
     ctx = model.context_length or model_context_length
     if ctx > model_context_length:
         raise ConfigError(

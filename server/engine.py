@@ -21,6 +21,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
+from kernels import cpu_has_native_bf16
 from server.cache.kv_pool import TokenKVPool
 from server.cache.req_table import ReqToTokenTable
 from server.config import EngineConfig, resolve
@@ -51,7 +52,8 @@ class Engine:
         config = EngineConfig.from_kwargs(model=model, **kwargs)
         loaded = load_model(config.model.path)
         self.config = resolve(config, kv_elements_per_token=loaded.arch.kv_elements_per_token,
-                              model_context_length=loaded.arch.max_position_embeddings)
+                              model_context_length=loaded.arch.max_position_embeddings,
+                              cpu_native_bf16=cpu_has_native_bf16())
         mc, cc, sc = self.config.model, self.config.cache, self.config.scheduler
         torch.manual_seed(self.config.seed)
         self.arch = loaded.arch

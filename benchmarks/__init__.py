@@ -1,0 +1,1 @@
+"""Benchmarks: each prints a table and is run by hand (``python -m benchmarks.NAME``)."""

@@ -1,0 +1,159 @@
+"""Engine throughput on the default model, side by side with transformers in one run.
+
+    python -m benchmarks.engine [--model PATH] [--dtypes auto,float32] [--new-tokens 64]
+
+Prints one markdown table: prefill tokens/s (512-token prompts), decode tokens/s at batch 1, 8
+and 32 (128-token prompts, decode steps only), and transformers' ``generate`` at batch 1 on the
+same prompts (decode rate = (t(N tokens) - t(1 token)) / (N - 1)). Then a per-op profile of one
+batch-32 decode step. Prompts are real Wikipedia passages from ../shared/data/wiki_rag when
+present (else this repository's source text), chat-templated and cut to length in tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import time
+
+import torch
+
+from benchmarks.common import print_table, shared_data_dir
+from server.engine import Engine
+from server.model.forward_batch import ForwardMode
+from server.model.sampling import SamplingParams
+
+
+def load_texts(n: int) -> tuple[list[str], str]:
+    data = shared_data_dir()
+    path = os.path.join(data, "wiki_rag", "passages.jsonl.gz") if data else None
+    if path and os.path.isfile(path):
+        with gzip.open(path, "rt") as f:
+            texts = [json.loads(line)["text"] for _, line in zip(range(n), f)]
+        return texts, "wiki_rag passages"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    src = open(os.path.join(root, "server", "scheduler", "scheduler.py")).read()
+    return [src[i * 500:] for i in range(n)], "repository source (../shared/data not found)"
+
+
+def make_prompts(engine: Engine, texts: list[str], length: int) -> list[list[int]]:
+    """Chat-templated 'summarize' prompts cut to exactly ``length`` tokens (the template's end,
+    the assistant header, is kept so the model is asked to answer)."""
+    out = []
+    tail = engine.encode(engine.apply_chat_template([{"role": "user", "content": "x"}]))[-4:]
+    for t in texts:
+        ids = engine.encode(engine.apply_chat_template(
+            [{"role": "user", "content": "Summarize this passage:\n" + t * 4}]))
+        out.append(ids[:length - len(tail)] + tail)
+    return out
+
+
+def run_engine(engine: Engine, prompts: list[list[int]], new_tokens: int) -> dict[str, float]:
+    """Returns prefill and decode tokens/s, counting forward-pass time per mode."""
+    if len(prompts) != len({tuple(p) for p in prompts}):
+        raise ValueError("prompts must be distinct")
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
+    for r in [engine.make_request(p, params) for p in prompts]:
+        engine.scheduler.add_request(r)
+    t = {ForwardMode.EXTEND: 0.0, ForwardMode.DECODE: 0.0}
+    n = {ForwardMode.EXTEND: 0, ForwardMode.DECODE: 0}
+    while engine.scheduler.has_work:
+        batch = engine.scheduler.step()
+        start = time.perf_counter()
+        engine.scheduler.update(batch, engine.runner.forward(batch))
+        t[batch.mode] += time.perf_counter() - start
+        if batch.mode is ForwardMode.DECODE and batch.batch_size != len(prompts):
+            raise RuntimeError(f"decode ran at batch {batch.batch_size}, not {len(prompts)}")
+        n[batch.mode] += batch.num_tokens
+    rate = {m: n[m] / t[m] if t[m] else 0.0 for m in t}
+    return {"prefill": rate[ForwardMode.EXTEND], "decode": rate[ForwardMode.DECODE]}
+
+
+def hf_decode_rate(model, prompt: list[int], new_tokens: int) -> float:
+    ids = torch.tensor([prompt])
+    kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, eos_token_id=None)
+
+    def timed(n):
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
+        return time.perf_counter() - start
+
+    timed(2)  # warm-up
+    return (new_tokens - 1) / (timed(new_tokens) - timed(1))
+
+
+def profile_decode_step(engine: Engine, prompts: list[list[int]]) -> list[list[str]]:
+    """Per-op CPU time of one decode step at batch len(prompts)."""
+    params = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)
+    for r in [engine.make_request(p, params) for p in prompts]:
+        engine.scheduler.add_request(r)
+    rows: list[list[str]] = []
+    while engine.scheduler.has_work:
+        batch = engine.scheduler.step()
+        if batch.mode is ForwardMode.DECODE and not rows:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                out = engine.runner.forward(batch)
+            events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+            total = sum(e.self_cpu_time_total for e in events)
+            rows = [[e.key, f"{e.self_cpu_time_total / 1e3:.1f}",
+                     f"{100 * e.self_cpu_time_total / total:.0f}%", str(e.count)]
+                    for e in events[:10]]
+            rows.append(["(total)", f"{total / 1e3:.1f}", "100%", ""])
+        else:
+            out = engine.runner.forward(batch)
+        engine.scheduler.update(batch, out)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="model path (default: embedded SmolLM2)")
+    ap.add_argument("--dtypes", default="auto,float32",
+                    help="engine dtypes to run, comma-separated (auto = bf16 on native-bf16 CPUs)")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    args = ap.parse_args()
+
+    texts, source = load_texts(32)
+    print(f"prompts: {source}; torch threads: {torch.get_num_threads()}")
+    header = ["engine", "dtype", "prefill tok/s (512)", "decode b=1", "decode b=8", "decode b=32",
+              "b=32 / b=1"]
+    rows, engine = [], None
+    for dtype in args.dtypes.split(","):
+        engine = Engine(args.model, dtype=dtype, max_total_tokens=32768)
+        long_prompts = make_prompts(engine, texts[:8], 512)
+        short = make_prompts(engine, texts, 128)
+        assert len(short) == 32 and len(long_prompts) == 8
+        run_engine(engine, short[:2], 4)  # warm-up
+        prefill = run_engine(engine, long_prompts, 0)["prefill"]
+        decode = {b: run_engine(engine, short[:b], args.new_tokens)["decode"] for b in (1, 8, 32)}
+        rows.append(["sgl-adapters Engine", engine.config.model.dtype, f"{prefill:.0f}",
+                     f"{decode[1]:.1f}", f"{decode[8]:.1f}", f"{decode[32]:.1f}",
+                     f"{decode[32] / decode[1]:.1f}x"])
+        del engine
+    if not args.no_hf:
+        from transformers import AutoModelForCausalLM
+
+        from server.model.loader import default_model_path
+
+        path = args.model or default_model_path()
+        for dtype in (torch.float32, torch.bfloat16):
+            kw = ({"gguf_file": os.path.basename(path)} if path.endswith(".gguf") else {})
+            hf = AutoModelForCausalLM.from_pretrained(
+                os.path.dirname(path) if kw else path, dtype=dtype, **kw).eval()
+            eng_prompt = short[0]
+            rate = hf_decode_rate(hf, eng_prompt, args.new_tokens)
+            rows.append(["transformers generate", str(dtype).replace("torch.", ""), "", f"{rate:.1f}",
+                         "", "", ""])
+            del hf
+    print_table(header, rows)
+    engine = Engine(args.model, max_total_tokens=32768)
+    prof = profile_decode_step(engine, make_prompts(engine, texts, 128))
+    print(f"\nOne decode step, batch 32, 128-token prompts, dtype {engine.config.model.dtype}:")
+    print_table(["op", "self CPU ms", "share", "calls"], prof)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""Shared fixtures: tiny random-weight HF models (fp32, CPU) saved as real safetensors
+directories with the default model's tokenizer, and the embedded default model."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import pytest
+import torch
+
+from server.model.loader import default_model_path, load_model
+from tests.helpers import tiny_config
+
+@pytest.fixture(scope="session")
+def default_tokenizer():
+    """The default model's tokenizer (converted from its GGUF once, then cached on disk)."""
+    return load_model(default_model_path()).tokenizer
+
+
+@pytest.fixture(scope="session")
+def make_tiny_model(tmp_path_factory, default_tokenizer) -> Callable[..., tuple[str, object]]:
+    """make_tiny_model(kind, seed=0, **config_overrides) -> (dir, transformers model).
+
+    The directory holds config.json, safetensors weights (sharded with ``shards=True``) and the
+    default tokenizer; the returned HF model (eval, fp32) has the same weights.
+    """
+    from transformers import AutoModelForCausalLM
+
+    cache: dict = {}
+
+    def make(kind: str = "llama", seed: int = 0, shards: bool = False, **overrides):
+        key = (kind, seed, shards, tuple(sorted(overrides.items())))
+        if key not in cache:
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(tiny_config(kind, **overrides)).eval()
+            # Random init gives tiny logits; scale norms up so greedy choices are well separated
+            # (ties would make token comparisons flaky) while staying in fp32 precision.
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if name.endswith("norm.weight"):
+                        p.normal_(1.0, 0.5)
+            path = str(tmp_path_factory.mktemp(f"tiny-{kind}"))
+            model.save_pretrained(path, max_shard_size="2MB" if shards else "1GB")
+            default_tokenizer.save_pretrained(path)
+            cache[key] = (path, model)
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(make_tiny_model):
+    """An Engine on the tiny Llama (fp32), shared by tests that only need *a* model."""
+    from server.engine import Engine
+
+    path, _ = make_tiny_model("llama")
+    return Engine(path, max_total_tokens=8192, context_length=512, dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def default_engine():
+    """An Engine on the embedded SmolLM2-135M-Instruct (fp32, to compare with transformers)."""
+    from server.engine import Engine
+
+    return Engine(max_total_tokens=16384, dtype="float32")

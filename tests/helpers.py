@@ -1,0 +1,55 @@
+"""Plain helpers for tests (importable as ``tests.helpers``)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from server.model.loader import default_model_path
+
+TINY_VOCAB = 49152  # the default model's tokenizer vocabulary
+
+
+def tiny_config(kind: str = "llama", **overrides):
+    """A 2-layer, hidden-64 config of the given family (transformers config object)."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    common = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=512, rms_norm_eps=1e-5, bos_token_id=1,
+                  eos_token_id=2, tie_word_embeddings=False)
+    if kind == "llama":
+        cfg = LlamaConfig(**common)
+    elif kind == "llama3":  # llama3 RoPE scaling, MHA, theta as in Llama 3.1
+        common.update(num_key_value_heads=4)
+        cfg = LlamaConfig(**common, rope_theta=500000.0, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    elif kind == "tied":  # SmolLM2-like: tied embeddings, 3:1 GQA
+        common.update(num_attention_heads=6, num_key_value_heads=2, hidden_size=96,
+                      tie_word_embeddings=True)
+        cfg = LlamaConfig(**common)
+    elif kind == "qwen2":  # QKV bias
+        cfg = Qwen2Config(**common, use_sliding_window=False)
+    elif kind == "mistral":
+        cfg = MistralConfig(**common, sliding_window=None)
+    else:
+        raise ValueError(kind)
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def hf_logits(model, ids: list[int]) -> torch.Tensor:
+    """Full-sequence logits [len(ids), vocab] of a transformers model (fp32)."""
+    with torch.no_grad():
+        return model(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids),
+                                                                    dtype=torch.int64)).logits[0]
+
+
+def has_default_model() -> bool:
+    try:
+        return os.path.isfile(default_model_path())
+    except Exception:
+        return False

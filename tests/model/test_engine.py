@@ -1,0 +1,136 @@
+"""Engine.generate on a tiny random Llama (fp32): batching, chunking and memory pressure do not
+change greedy outputs; logprobs agree with transformers; seeds, stop strings, n, prefill-only."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from server.engine import Engine
+from server.model.sampling import SamplingParamsError
+from server.scheduler.scheduler import InvalidRequestError
+from tests.helpers import hf_logits
+
+
+def _prompts(n, seed=0, lo=1, hi=120):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 49152) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
+
+
+def test_batch_of_64_equals_one_at_a_time(tiny_engine):
+    prompts = _prompts(64)
+    rng = random.Random(1)
+    params = [{"max_new_tokens": rng.randrange(1, 17), "temperature": 0} for _ in prompts]
+    singles = [tiny_engine.generate(input_ids=p, sampling_params=sp)["output_ids"]
+               for p, sp in zip(prompts, params)]
+    reqs = [tiny_engine.make_request(p, tiny_engine_params(sp)) for p, sp in zip(prompts, params)]
+    batched = [o["output_ids"] for o in tiny_engine.run(reqs)]
+    assert batched == singles
+    assert tiny_engine.kv_pool.num_free == tiny_engine.kv_pool.capacity
+
+
+def tiny_engine_params(d):
+    from server.model.sampling import SamplingParams
+
+    return SamplingParams.from_dict(d)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"chunked_prefill_size": 7}, {"chunked_prefill_size": 61},
+    {"max_total_tokens": 300, "max_new_tokens_reserve": 1},  # forces retraction
+    {"max_running_requests": 3},
+])
+def test_chunking_and_memory_pressure_keep_greedy_outputs(make_tiny_model, tiny_engine, kwargs):
+    path, _ = make_tiny_model("llama")
+    prompts = _prompts(12, seed=2, hi=100)
+    sp = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+    want = [o["output_ids"] for o in tiny_engine.generate(input_ids=prompts, sampling_params=sp)]
+    eng = Engine(path, context_length=512, dtype="float32",
+                 **{"max_total_tokens": 4096, **kwargs})
+    got = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=sp)]
+    assert got == want
+    if kwargs.get("max_total_tokens") == 300:
+        assert eng.scheduler.stats.retractions > 0
+    assert eng.kv_pool.num_free == eng.kv_pool.capacity
+
+
+def test_logprobs_agree_with_transformers(make_tiny_model, tiny_engine):
+    _, hf = make_tiny_model("llama")
+    prompt = _prompts(1, seed=3, lo=20, hi=21)[0]
+    out = tiny_engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 6,
+                                                                  "temperature": 0},
+                               return_logprob=True, logprob_start_len=5, top_logprobs_num=4)
+    meta = out["meta_info"]
+    full = prompt + out["output_ids"]
+    ref = torch.log_softmax(hf_logits(hf, full), dim=-1)
+    for i, (lp, tok) in enumerate(meta["output_token_logprobs"]):
+        pos = len(prompt) - 1 + i
+        assert tok == full[pos + 1]
+        assert lp == pytest.approx(ref[pos, tok].item(), abs=1e-4)
+        top = ref[pos].topk(4)
+        assert [t for _, t in meta["output_top_logprobs"][i]] == top.indices.tolist()
+    inputs = meta["input_token_logprobs"]
+    assert [t for _, t in inputs] == prompt[5:]
+    for k, (lp, tok) in enumerate(inputs):
+        assert lp == pytest.approx(ref[5 + k - 1, tok].item(), abs=1e-4)
+    assert len(meta["input_top_logprobs"]) == len(prompt) - 5
+
+
+def test_prompt_logprobs_from_position_zero_and_prefill_only(tiny_engine):
+    prompt = _prompts(1, seed=4, lo=9, hi=10)[0]
+    out = tiny_engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 0},
+                               return_logprob=True, logprob_start_len=0)
+    meta = out["meta_info"]
+    assert out["output_ids"] == [] and meta["finish_reason"]["type"] == "length"
+    assert meta["input_token_logprobs"][0] == (None, prompt[0])
+    assert [t for _, t in meta["input_token_logprobs"]] == prompt
+
+
+def test_seeded_sampling_reproduces(tiny_engine):
+    sp = {"max_new_tokens": 16, "temperature": 1.0, "seed": 42, "ignore_eos": True}
+    prompt = _prompts(1, seed=5)[0]
+    a = tiny_engine.generate(input_ids=prompt, sampling_params=sp)["output_ids"]
+    # same seed inside a batch with other (unseeded) requests
+    batch = tiny_engine.generate(input_ids=[_prompts(1, seed=6)[0], prompt],
+                                 sampling_params=sp)
+    assert batch[1]["output_ids"] == a
+    c = tiny_engine.generate(input_ids=prompt, sampling_params={**sp, "seed": 43})["output_ids"]
+    assert c != a
+
+
+def test_n_returns_distinct_samples(tiny_engine):
+    outs = tiny_engine.generate(input_ids=_prompts(1, seed=7)[0], sampling_params={
+        "max_new_tokens": 8, "temperature": 1.0, "n": 3, "seed": 1, "ignore_eos": True})
+    assert len(outs) == 3 and len({tuple(o["output_ids"]) for o in outs}) == 3
+
+
+def test_stop_string_spanning_two_tokens(tiny_engine):
+    tok = tiny_engine.tokenizer
+    prompt = "The quick brown fox"
+    base = tiny_engine.generate(prompt, {"max_new_tokens": 24, "temperature": 0,
+                                         "ignore_eos": True})
+    ids = base["output_ids"]
+    pieces = [tok.decode(ids[:k]) for k in range(len(ids) + 1)]
+    # a stop string made of the last 2 chars of one token's text and the first 2 of the next
+    k = next(k for k in range(1, len(ids) - 1)
+             if len(pieces[k]) - len(pieces[k - 1]) >= 2 and len(pieces[k + 1]) - len(pieces[k]) >= 2
+             and pieces[k][-2:] + pieces[k + 1][len(pieces[k]):len(pieces[k]) + 2] not in pieces[k])
+    stop = pieces[k][-2:] + pieces[k + 1][len(pieces[k]):len(pieces[k]) + 2]
+    out = tiny_engine.generate(prompt, {"max_new_tokens": 24, "temperature": 0,
+                                        "ignore_eos": True, "stop": [stop]})
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert out["text"] == base["text"][:base["text"].index(stop)]
+    assert out["output_ids"] == ids[:k + 1]
+
+
+def test_invalid_requests_raise_before_queueing(tiny_engine):
+    with pytest.raises(SamplingParamsError):
+        tiny_engine.generate("hi", {"temperature": -1})
+    with pytest.raises(InvalidRequestError, match="context length"):
+        tiny_engine.generate("hi", {"max_new_tokens": 10_000})
+    with pytest.raises(InvalidRequestError):
+        tiny_engine.generate(input_ids=[[1, 2], [10**9]])
+    assert not tiny_engine.scheduler.has_work
+    tiny_engine.scheduler.check_invariants()

@@ -1,0 +1,59 @@
+"""Engine configuration: validation errors and the resolution of auto values."""
+
+import pytest
+
+from server.config import ConfigError, EngineConfig, ModelConfig, resolve
+
+
+def test_unknown_option_is_refused():
+    with pytest.raises(ConfigError, match="bogus"):
+        EngineConfig.from_kwargs(bogus=1)
+
+
+@pytest.mark.parametrize("kwargs", [{"dtype": "int8"}, {"max_total_tokens": 3},
+                                    {"mem_fraction": 1.5}, {"chunked_prefill_size": 0},
+                                    {"schedule_policy": "nope"}, {"context_length": 1}])
+def test_invalid_values(kwargs):
+    with pytest.raises(ConfigError):
+        EngineConfig.from_kwargs(**kwargs)
+
+
+def test_resolve_auto_values():
+    cfg = EngineConfig.from_kwargs(model="x", mem_fraction=0.5)
+    r = resolve(cfg, kv_elements_per_token=100, model_context_length=2048,
+                available_bytes=400_000)
+    assert r.model.dtype == "float32" and r.model.context_length == 2048
+    assert r.cache.max_total_tokens == 400_000 // 2 // 400
+    assert cfg.model.dtype == "auto"  # the original is untouched
+
+
+def test_auto_dtype_follows_native_bf16():
+    cfg = EngineConfig()
+    kw = dict(kv_elements_per_token=10, model_context_length=64, available_bytes=10**6)
+    assert resolve(cfg, **kw, cpu_native_bf16=True).model.dtype == "bfloat16"
+    assert resolve(cfg, **kw, cpu_native_bf16=False).model.dtype == "float32"
+    pinned = EngineConfig.from_kwargs(dtype="float32")
+    assert resolve(pinned, **kw, cpu_native_bf16=True).model.dtype == "float32"
+
+
+def test_cpu_bf16_probe(tmp_path):
+    from kernels import cpu_has_native_bf16
+
+    f = tmp_path / "cpuinfo"
+    f.write_text("processor: 0\nflags\t\t: fpu avx2 avx512f\n")
+    assert not cpu_has_native_bf16(str(f))
+    f.write_text("flags\t\t: fpu avx2 avx512_bf16\n")
+    assert cpu_has_native_bf16(str(f))
+    assert not cpu_has_native_bf16(str(tmp_path / "missing"))
+
+
+def test_resolve_refuses_longer_context_than_model():
+    cfg = EngineConfig(model=ModelConfig(context_length=4096))
+    with pytest.raises(ConfigError, match="4096"):
+        resolve(cfg, kv_elements_per_token=1, model_context_length=2048, available_bytes=10**9)
+
+
+def test_resolve_refuses_a_tiny_pool():
+    with pytest.raises(ConfigError, match="KV pool"):
+        resolve(EngineConfig(), kv_elements_per_token=10**6, model_context_length=2048,
+                available_bytes=10**6)

@@ -1,0 +1,50 @@
+"""Incremental detokenization with the default model's byte-level BPE tokenizer."""
+
+import pytest
+
+from server.detokenizer import IncrementalDetokenizer
+
+
+def _stream(tok, text, prompt="Say:", stop=()):
+    ids = tok(text)["input_ids"]
+    d = IncrementalDetokenizer(tok, tok(prompt)["input_ids"], stop)
+    pieces = [d.append(t) for t in ids]
+    return d, pieces, ids
+
+
+@pytest.mark.parametrize("text", ["Hello world, how are you?", "  leading spaces\nand lines",
+                                  "naïve café — 東京 🌍🚀 ok", "x" * 50])
+def test_incremental_equals_full_decode(default_tokenizer, text):
+    d, pieces, ids = _stream(default_tokenizer, text)
+    assert "".join(pieces) == default_tokenizer.decode(ids) == d.text
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_multibyte_character_waits_for_all_its_tokens(default_tokenizer):
+    ids = default_tokenizer("🌍")["input_ids"]
+    assert len(ids) > 1  # an emoji spans several byte-level tokens
+    d, pieces, _ = _stream(default_tokenizer, "🌍")
+    assert pieces[:-1] == [""] * (len(ids) - 1) and pieces[-1] == "🌍"
+
+
+def test_stop_string_spanning_tokens(default_tokenizer):
+    text = "The capital of France is Paris, a lovely city."
+    ids = default_tokenizer(text)["input_ids"]
+    # choose a stop string that starts inside one token and ends inside the next
+    toks = [default_tokenizer.decode([t]) for t in ids]
+    i = next(k for k in range(len(toks) - 1) if len(toks[k]) > 2 and len(toks[k + 1]) > 2)
+    stop = toks[i][-2:] + toks[i + 1][:2]
+    d, _, _ = _stream(default_tokenizer, text, stop=[stop, "never"])
+    assert d.matched_stop == stop
+    assert d.text == text[:text.index(stop)]
+    assert d.append(ids[0]) == ""  # nothing more after a stop
+
+
+def test_stream_safe_text_holds_back_possible_stop_prefix(default_tokenizer):
+    d = IncrementalDetokenizer(default_tokenizer, [], stop=["STOP here"])
+    for t in default_tokenizer("abc STOP")["input_ids"]:
+        d.append(t)
+    assert d.text == "abc STOP" and d.stream_safe_text == "abc "
+    for t in default_tokenizer(" there")["input_ids"]:
+        d.append(t)
+    assert d.stream_safe_text == d.text == "abc STOP there"

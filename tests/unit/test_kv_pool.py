@@ -1,0 +1,44 @@
+"""TokenKVPool and ReqToTokenTable: exact slots, errors, shapes."""
+
+import pytest
+import torch
+
+from server.cache.kv_pool import OutOfSlotsError, TokenKVPool
+from server.cache.req_table import NoFreeRowError, ReqToTokenTable
+
+
+def test_alloc_free_exact_slots_and_slot0_reserved():
+    pool = TokenKVPool(8)
+    a = pool.alloc(3)
+    assert a.tolist() == [1, 2, 3] and pool.num_free == 5
+    b = pool.alloc(5)
+    assert b.tolist() == [4, 5, 6, 7, 8] and pool.num_free == 0
+    with pytest.raises(OutOfSlotsError):
+        pool.alloc(1)
+    pool.free(a[1:])
+    assert pool.num_free == 2 and pool.alloc(2).tolist() == [2, 3]
+
+
+def test_failed_alloc_takes_nothing():
+    pool = TokenKVPool(4)
+    with pytest.raises(OutOfSlotsError):
+        pool.alloc(5)
+    assert pool.num_free == 4 and pool.alloc(0).numel() == 0
+
+
+def test_buffers_shape_and_bytes():
+    pool = TokenKVPool(10, num_layers=3, num_kv_heads=2, head_dim=4, dtype=torch.bfloat16)
+    assert pool.k_buffers[0].shape == (11, 2, 4) and len(pool.v_buffers) == 3
+    assert pool.bytes_per_token() == 2 * 3 * 2 * 4 * 2
+
+
+def test_req_table_rows():
+    t = ReqToTokenTable(2, 16)
+    r0, r1 = t.alloc_row(), t.alloc_row()
+    assert {r0, r1} == {0, 1}
+    with pytest.raises(NoFreeRowError):
+        t.alloc_row()
+    t.write(r1, 3, torch.tensor([7, 8]))
+    assert t.read(r1, 3, 5).tolist() == [7, 8]
+    t.free_row(r0)
+    assert t.alloc_row() == r0

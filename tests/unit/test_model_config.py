@@ -1,0 +1,55 @@
+"""ArchConfig parsing: both HF config layouts, family flags, and clear refusals."""
+
+import pytest
+
+from server.model.config import ArchConfig, UnsupportedModelError
+
+BASE = dict(model_type="llama", vocab_size=100, hidden_size=64, intermediate_size=128,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=1024)
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 8192}
+
+
+def test_transformers4_layout_rope_scaling():
+    a = ArchConfig.from_hf({**BASE, "rope_theta": 5e5, "rope_scaling": LLAMA3})
+    assert a.rope_theta == 5e5
+    assert a.rope_scaling.rope_type == "llama3" and a.rope_scaling.factor == 8.0
+
+
+def test_transformers5_layout_rope_parameters():
+    a = ArchConfig.from_hf({**BASE, "rope_parameters": {**LLAMA3, "rope_theta": 5e5}})
+    assert a.rope_theta == 5e5 and a.rope_scaling.original_max_position_embeddings == 8192
+
+
+def test_family_flags():
+    q = ArchConfig.from_hf({**BASE, "model_type": "qwen2"})
+    assert q.qkv_bias and not q.o_bias
+    l = ArchConfig.from_hf({**BASE, "attention_bias": True})
+    assert l.qkv_bias and l.o_bias
+    t = ArchConfig.from_hf({**BASE, "tie_word_embeddings": True, "eos_token_id": [2, 7]})
+    assert t.tie_word_embeddings and t.eos_token_ids == (2, 7)
+    assert t.head_dim == 16 and t.kv_elements_per_token == 2 * 2 * 2 * 16
+
+
+@pytest.mark.parametrize("cfg, match", [
+    ({**BASE, "model_type": "gpt2"}, "model_type"),
+    ({**BASE, "hidden_act": "gelu"}, "hidden_act"),
+    ({**BASE, "model_type": "mistral", "sliding_window": 256}, "sliding-window"),
+    ({**BASE, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "rope_type"),
+    ({**BASE, "num_key_value_heads": 3}, "multiple"),
+])
+def test_unsupported_is_refused_clearly(cfg, match):
+    with pytest.raises(UnsupportedModelError, match=match):
+        ArchConfig.from_hf(cfg)
+
+
+def test_gguf_metadata():
+    meta = {"general.architecture": "llama", "llama.block_count": 30, "llama.context_length": 8192,
+            "llama.embedding_length": 576, "llama.feed_forward_length": 1536,
+            "llama.attention.head_count": 9, "llama.attention.head_count_kv": 3,
+            "llama.rope.freq_base": 1e5, "llama.attention.layer_norm_rms_epsilon": 1e-5,
+            "llama.vocab_size": 49152, "tokenizer.ggml.eos_token_id": 2}
+    a = ArchConfig.from_gguf(meta, has_output_tensor=False, has_qkv_bias=False)
+    assert (a.num_layers, a.head_dim, a.num_kv_heads, a.tie_word_embeddings) == (30, 64, 3, True)
+    assert a.eos_token_ids == (2,)

@@ -1,0 +1,125 @@
+"""SamplingParams validation and the batched Sampler on fixed logits (no model)."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from server.model.sampling import (Sampler, SamplingParams, SamplingParamsError, SamplingState,
+                                   make_generator)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("max_new_tokens", -1), ("max_new_tokens", 1.5), ("max_new_tokens", "8"), ("max_new_tokens", True),
+    ("temperature", -0.1), ("temperature", math.nan), ("temperature", math.inf),
+    ("top_p", 0.0), ("top_p", 1.01), ("top_k", -2), ("top_k", 2.0), ("min_p", -0.1), ("min_p", 1.1),
+    ("frequency_penalty", 2.5), ("presence_penalty", -3), ("repetition_penalty", 0.0),
+    ("seed", 1 << 63), ("seed", 1.0), ("n", 0), ("n", 1000),
+    ("stop", [""]), ("stop", ["x" * 300]), ("stop", ["a"] * 17), ("stop_token_ids", [-1]),
+    ("logit_bias", {"a": 1.0}), ("logit_bias", {5: 101.0}), ("ignore_eos", "yes"),
+])
+def test_invalid_params_raise_typed_error_naming_the_field(field, value):
+    with pytest.raises(SamplingParamsError) as err:
+        SamplingParams(**{field: value})
+    assert err.value.param == field
+
+
+def test_min_new_tokens_bounded_by_max():
+    with pytest.raises(SamplingParamsError) as err:
+        SamplingParams(max_new_tokens=4, min_new_tokens=5)
+    assert err.value.param == "min_new_tokens"
+
+
+def test_from_dict_normalizes_and_rejects_unknown():
+    p = SamplingParams.from_dict({"stop": "END", "logit_bias": {"7": 2.0}, "top_p": None})
+    assert p.stop == ("END",) and p.logit_bias == ((7, 2.0),) and p.top_p == 1.0
+    with pytest.raises(SamplingParamsError):
+        SamplingParams.from_dict({"temprature": 0.5})
+    assert SamplingParams.from_dict({"temprature": 0.5}, ignore_unknown=True) == SamplingParams()
+    hash(p)  # frozen and hashable: usable as a cache key
+
+
+def test_validate_for_vocab():
+    with pytest.raises(SamplingParamsError):
+        SamplingParams(stop_token_ids=(100,)).validate_for_vocab(100)
+    with pytest.raises(SamplingParamsError):
+        SamplingParams(logit_bias={100: 1.0}).validate_for_vocab(100)
+
+
+def _state(params, prompt=(), output=()):
+    return SamplingState(params, list(prompt), list(output), make_generator(params.seed))
+
+
+def _logits(rows=1, vocab=50, seed=0):
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_greedy_and_degenerate_filters_equal_argmax():
+    logits = _logits(4)
+    states = [_state(SamplingParams(temperature=0)), _state(SamplingParams(top_k=1)),
+              _state(SamplingParams(top_p=1e-9)), _state(SamplingParams(min_p=1.0))]
+    out = Sampler().sample(logits, states)
+    assert out.next_ids == logits.argmax(-1).tolist()
+
+
+def test_seeded_sampling_reproduces_and_ignores_batch_neighbours():
+    logits = _logits(1, vocab=1000)
+    p = SamplingParams(temperature=1.0, seed=1234)
+    a = [Sampler(0).sample(logits, [_state(p)]).next_ids[0] for _ in range(3)]
+    st = _state(p)
+    seq1 = [Sampler(0).sample(logits, [st]).next_ids[0] for _ in range(20)]
+    st = _state(p)
+    neighbour = _state(SamplingParams(temperature=1.0))
+    seq2 = [Sampler(7).sample(torch.cat([_logits(1, 1000, 9), logits]), [neighbour, st]).next_ids[1]
+            for _ in range(20)]
+    assert len(set(a)) == 1 and seq1 == seq2 and len(set(seq1)) > 1
+
+
+def test_top_k_top_p_restrict_support():
+    logits = torch.tensor([[5.0, 4.0, 3.0, -10.0, -10.0]])
+    s = Sampler(0)
+    top2 = {s.sample(logits, [_state(SamplingParams(top_k=2))]).next_ids[0] for _ in range(200)}
+    assert top2 == {0, 1}
+    probs = torch.softmax(logits[0], -1)
+    p = float(probs[0]) + 1e-3  # just over the first token: the first two survive
+    topp = {s.sample(logits, [_state(SamplingParams(top_p=p))]).next_ids[0] for _ in range(200)}
+    assert topp == {0, 1}
+
+
+def test_logit_bias_and_banned_ids():
+    logits = _logits(1)
+    out = Sampler().sample(logits, [_state(SamplingParams(temperature=0, logit_bias={17: 100.0}))])
+    assert out.next_ids == [17]
+    st = _state(SamplingParams(temperature=0))
+    st.banned_ids = (int(logits.argmax()),)
+    assert Sampler().sample(logits, [st]).next_ids[0] != int(logits.argmax())
+
+
+def test_penalties_follow_openai_and_hf_definitions():
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
+    row = logits[0].clone()
+    Sampler._adjust_row(row, _state(SamplingParams(frequency_penalty=0.5, presence_penalty=0.25),
+                                    output=[2, 2, 3]))
+    assert row.tolist() == [2.0, -2.0, 1.0 - 2 * 0.5 - 0.25, 0.5 - 0.5 - 0.25]
+    row = logits[0].clone()
+    Sampler._adjust_row(row, _state(SamplingParams(repetition_penalty=2.0), prompt=[0], output=[1]))
+    assert row.tolist() == [1.0, -4.0, 1.0, 0.5]
+
+
+def test_logprobs_are_raw_log_softmax():
+    logits = _logits(3, vocab=40)
+    states = [_state(SamplingParams(temperature=0, frequency_penalty=1.0), output=[5]),
+              _state(SamplingParams(temperature=0.7, seed=3)), _state(SamplingParams(temperature=0))]
+    out = Sampler().sample(logits, states, want_logprobs=True, num_top_logprobs=3)
+    ref = torch.log_softmax(logits, -1)
+    for b, tok in enumerate(out.next_ids):
+        assert out.logprobs[b] == pytest.approx(ref[b, tok].item(), abs=1e-6)
+        top = ref[b].topk(3)
+        assert [t for _, t in out.top_logprobs[b]] == top.indices.tolist()
+        assert [v for v, _ in out.top_logprobs[b]] == pytest.approx(top.values.tolist(), abs=1e-6)
+
+
+def test_replace_keeps_validation():
+    with pytest.raises(SamplingParamsError):
+        dataclasses.replace(SamplingParams(), top_p=2.0)

@@ -1,0 +1,249 @@
+"""The scheduler's whole request lifecycle with a fake runner and no model.
+
+FakeRunner stores each new token id in its KV slot and answers, for every requested position, a
+one-hot logit on ``next_token(context)``, where the context is read back from the slots through
+``req_to_token``. A slot written to the wrong place, freed too early or shared by two requests
+changes the output, so comparing against :func:`expected_output` checks the KV bookkeeping.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from server.cache.kv_pool import TokenKVPool
+from server.cache.req_table import ReqToTokenTable
+from server.config import SchedulerConfig
+from server.model.forward_batch import ForwardBatch, ForwardMode, RunnerOutput
+from server.model.sampling import SamplingParams
+from server.scheduler.request import LogprobOptions, Req, ReqStatus
+from server.scheduler.scheduler import InvalidRequestError, Scheduler
+
+VOCAB = 97
+EOS = 0
+
+
+def next_token(context: list[int]) -> int:
+    """Deterministic, order-sensitive function of the whole context; never EOS."""
+    return 1 + sum((k + 1) * t for k, t in enumerate(context)) % (VOCAB - 1)
+
+
+def expected_output(prompt: list[int], max_new: int) -> list[int]:
+    seq = list(prompt)
+    for _ in range(max_new):
+        seq.append(next_token(seq))
+    return seq[len(prompt):]
+
+
+class FakeRunner:
+    def __init__(self, capacity: int):
+        self.kv = torch.zeros(capacity + 1, dtype=torch.int64)
+        self.batches: list[ForwardBatch] = []
+
+    def forward(self, b: ForwardBatch) -> RunnerOutput:
+        self.batches.append(b)
+        assert b.out_cache_loc.numel() == b.input_ids.numel()
+        assert len(set(b.out_cache_loc.tolist())) == b.out_cache_loc.numel()
+        self.kv[b.out_cache_loc] = b.input_ids
+        seq_of, offset = [], 0
+        for i, n in enumerate(b.extend_lens):
+            seq_of += [i] * n
+        logits = torch.full((b.logits_indices.numel(), VOCAB), -10.0)
+        for r, idx in enumerate(b.logits_indices.tolist()):
+            i = seq_of[idx]
+            pos = int(b.positions[idx])
+            context = self.kv[b.req_to_token[b.req_rows[i], :pos + 1]].tolist()
+            logits[r, next_token(context)] = 10.0
+        return RunnerOutput(logits)
+
+
+def make(capacity=256, rows=8, context=256, **cfg):
+    pool = TokenKVPool(capacity)
+    sched = Scheduler(SchedulerConfig(**cfg), pool, ReqToTokenTable(rows, context),
+                      vocab_size=VOCAB, context_len=context)
+    return sched, FakeRunner(capacity)
+
+
+def req(rid, prompt, max_new, **kw):
+    params = SamplingParams(max_new_tokens=max_new, temperature=0, **kw)
+    return Req(rid=rid, input_ids=list(prompt), params=params, detokenizer=None,
+               eos_ids=frozenset({EOS}))
+
+
+def run(sched, runner, max_steps=10_000, on_step=None):
+    done = {}
+    for step in range(max_steps):
+        if not sched.has_work:
+            return done
+        batch = sched.step()
+        assert batch is not None, "work queued but nothing schedulable"
+        for d in sched.update(batch, runner.forward(batch)):
+            if d.finish_reason is not None:
+                done[d.rid] = d.finish_reason
+        sched.check_invariants()
+        if on_step:
+            on_step(step)
+    raise AssertionError("did not finish")
+
+
+def assert_all_free(sched):
+    assert sched.pool.num_free == sched.pool.capacity
+    assert sched.req_table.num_free_rows == sched.req_table.max_requests
+    assert not (sched.waiting or sched.prefilling or sched.running or sched.reqs)
+
+
+def test_single_request_lifecycle():
+    sched, runner = make()
+    r = req("a", [5, 6, 7], 4)
+    sched.add_request(r)
+    assert r.status is ReqStatus.WAITING
+    run(sched, runner)
+    assert r.output_ids == expected_output([5, 6, 7], 4)
+    assert r.finish_reason.type == "length" and r.status is ReqStatus.FINISHED
+    modes = [b.mode for b in runner.batches]
+    assert modes == [ForwardMode.EXTEND] + [ForwardMode.DECODE] * 3
+    assert_all_free(sched)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_workload_with_chunks_aborts_and_pressure(seed):
+    """Random prompts (some sharing prefixes), random chunk size, a pool ~2.5x the longest
+    request, random aborts: invariants every step, exact outputs, everything free at the end."""
+    rng = random.Random(seed)
+    longest = 0
+    reqs = []
+    base = [rng.randrange(1, VOCAB) for _ in range(40)]
+    for i in range(30):
+        prompt = base[:rng.randrange(0, 40)] + [rng.randrange(1, VOCAB) for _ in range(rng.randrange(1, 30))]
+        max_new = rng.randrange(0, 25)
+        longest = max(longest, len(prompt) + max_new)
+        reqs.append(req(f"r{i}", prompt, max_new))
+    sched, runner = make(capacity=int(longest * 2.5), rows=6,
+                         chunked_prefill_size=rng.choice([1, 3, 7, 16, 64]),
+                         max_new_tokens_reserve=rng.choice([1, 4, 32]))
+    for r in reqs[:20]:
+        sched.add_request(r)
+    aborted = set()
+
+    def chaos(step):
+        if step == 5:
+            for r in reqs[20:]:
+                sched.add_request(r)
+        if rng.random() < 0.08:
+            live = [r for r in reqs if r.rid in sched.reqs]
+            if live:
+                victim = rng.choice(live)
+                assert sched.abort(victim.rid) is not None
+                aborted.add(victim.rid)
+
+    done = run(sched, runner, on_step=chaos)
+    for r in reqs:
+        if r.rid in aborted:
+            assert r.finish_reason.type == "abort" and r.rid not in done
+        else:
+            assert r.output_ids == expected_output(r.input_ids, r.params.max_new_tokens), r.rid
+    assert_all_free(sched)
+
+
+def test_retraction_under_memory_pressure_keeps_outputs_exact():
+    sched, runner = make(capacity=60, rows=8, max_new_tokens_reserve=1)
+    reqs = [req(f"r{i}", [i + 1] * 10, 30) for i in range(5)]
+    for r in reqs:
+        sched.add_request(r)
+    run(sched, runner)
+    assert sched.stats.retractions > 0
+    for r in reqs:
+        assert r.output_ids == expected_output(r.input_ids, 30)
+    assert_all_free(sched)
+
+
+def test_fcfs_order_with_one_running_slot():
+    sched, runner = make(max_running_requests=1)
+    for i in range(4):
+        sched.add_request(req(f"r{i}", [i + 1, 2], 3))
+    order = []
+    while sched.has_work:
+        b = sched.step()
+        order += [d.rid for d in sched.update(b, runner.forward(b)) if d.finish_reason]
+    assert order == ["r0", "r1", "r2", "r3"]
+
+
+def test_chunked_prefill_splits_long_prompt():
+    sched, runner = make(chunked_prefill_size=8)
+    r = req("a", list(range(1, 21)), 2)
+    sched.add_request(r)
+    run(sched, runner)
+    assert [b.extend_lens for b in runner.batches[:3]] == [[8], [8], [4]]
+    assert [b.logits_indices.numel() for b in runner.batches[:3]] == [0, 0, 1]
+    assert r.output_ids == expected_output(r.input_ids, 2)
+
+
+def test_prefill_only_request_finishes_without_output():
+    sched, runner = make()
+    r = req("a", [3, 4, 5], 0)
+    r.logprobs = LogprobOptions(return_logprob=True, logprob_start_len=0)
+    sched.add_request(r)
+    run(sched, runner)
+    assert r.output_ids == [] and r.finish_reason.type == "length"
+    assert [t for _, t in r.input_token_logprobs] == [3, 4, 5]
+    assert r.input_token_logprobs[0][0] is None
+    assert_all_free(sched)
+
+
+def test_eos_and_stop_token_ids_finish_with_matched_token():
+    sched, runner = make()
+    first = expected_output([9], 1)[0]
+    r = req("a", [9], 10, stop_token_ids=(first,))
+    sched.add_request(r)
+    run(sched, runner)
+    assert r.output_ids == [first] and r.finish_reason.matched == first
+
+
+def test_min_new_tokens_bans_stop_ids_until_reached():
+    sched, runner = make()
+    first = expected_output([9], 1)[0]
+    r = req("a", [9], 5, stop_token_ids=(first,), min_new_tokens=1)
+    sched.add_request(r)
+    run(sched, runner)
+    assert r.output_ids[0] != first and len(r.output_ids) >= 1
+
+
+def test_abort_in_every_state():
+    sched, runner = make(chunked_prefill_size=4)
+    waiting, prefilling, running = req("w", [1] * 3, 5), req("p", [2] * 12, 5), req("r", [3], 50)
+    sched.add_request(running)
+    b = sched.step()
+    sched.update(b, runner.forward(b))
+    sched.add_request(prefilling)
+    b = sched.step()
+    sched.update(b, runner.forward(b))
+    sched.add_request(waiting)
+    assert (running.status, prefilling.status, waiting.status) == (
+        ReqStatus.RUNNING, ReqStatus.PREFILLING, ReqStatus.WAITING)
+    for r in (waiting, prefilling, running):
+        assert sched.abort(r.rid).finish_reason.type == "abort"
+        sched.check_invariants()
+        assert sched.abort(r.rid) is None  # twice: a no-op
+    assert sched.abort("unknown") is None
+    assert_all_free(sched)
+    assert sched.stats.aborts == 3
+
+
+@pytest.mark.parametrize("prompt, max_new, param", [
+    ([], 1, "input_ids"), ([VOCAB], 1, "input_ids"), ([-1], 1, "input_ids"),
+    ([1] * 250, 10, "max_new_tokens"), ([1] * 100, 100, "input_ids"),
+])
+def test_requests_that_can_never_run_are_refused_before_queueing(prompt, max_new, param):
+    sched, _ = make(capacity=150, context=256)
+    with pytest.raises(InvalidRequestError) as err:
+        sched.add_request(req("a", prompt, max_new))
+    assert err.value.param == param and not sched.has_work
+
+
+def test_duplicate_request_id_refused():
+    sched, _ = make()
+    sched.add_request(req("a", [1], 1))
+    with pytest.raises(InvalidRequestError, match="duplicate"):
+        sched.add_request(req("a", [2], 1))
