@@ -1,7 +1,9 @@
 """TokenKVPool: per-layer K/V buffers with a slot allocator; a page is one token.
 
 Slot 0 is reserved as a padding target (attention kernels may read it for masked positions), so
-``capacity`` usable slots are numbered 1..capacity. Allocation takes arbitrary counts from a free
+``capacity`` usable slots are numbered 1..capacity. Buffers are allocated uninitialized (no
+page zeroing of gigabytes at startup): a slot is always written before it is read, except slot
+0, which is zeroed so masked reads never see NaN. Allocation takes arbitrary counts from a free
 list; since every page is one token there is no fragmentation to manage.
 """
 
@@ -35,8 +37,10 @@ class TokenKVPool:
         self.capacity = capacity
         self.device = torch.device(device)
         shape = (capacity + 1, num_kv_heads, head_dim)
-        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k_buffers = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_buffers = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        for buf in (*self.k_buffers, *self.v_buffers):
+            buf[0].zero_()
         self._free = torch.arange(1, capacity + 1, dtype=torch.int64)
 
     @property

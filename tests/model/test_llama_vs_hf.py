@@ -27,6 +27,8 @@ class Harness:
         loaded = load_model(path)
         a = loaded.arch
         self.pool = TokenKVPool(capacity, a.num_layers, a.num_kv_heads, a.head_dim)
+        for buf in (*self.pool.k_buffers, *self.pool.v_buffers):
+            buf[1:] = float("nan")  # any read of a slot before it is written poisons the logits
         self.table = ReqToTokenTable(16, 512)
         self.runner = ModelRunner(loaded, self.pool, dtype=torch.float32, max_positions=512)
         self.rows: dict[int, int] = {}
