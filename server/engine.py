@@ -19,8 +19,6 @@ import time
 import uuid
 from typing import Any, Iterator, Mapping, Sequence
 
-import torch
-
 from kernels import cpu_has_native_bf16
 from server.cache.kv_pool import TokenKVPool
 from server.cache.req_table import ReqToTokenTable
@@ -55,7 +53,6 @@ class Engine:
                               model_context_length=loaded.arch.max_position_embeddings,
                               cpu_native_bf16=cpu_has_native_bf16())
         mc, cc, sc = self.config.model, self.config.cache, self.config.scheduler
-        torch.manual_seed(self.config.seed)
         self.arch = loaded.arch
         self.tokenizer = loaded.tokenizer
         self.model_name = mc.served_model_name or loaded.name

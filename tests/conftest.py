@@ -11,6 +11,7 @@ import torch
 from server.model.loader import default_model_path, load_model
 from tests.helpers import tiny_config
 
+
 @pytest.fixture(scope="session")
 def default_tokenizer():
     """The default model's tokenizer (converted from its GGUF once, then cached on disk)."""

@@ -25,8 +25,8 @@ def test_transformers5_layout_rope_parameters():
 def test_family_flags():
     q = ArchConfig.from_hf({**BASE, "model_type": "qwen2"})
     assert q.qkv_bias and not q.o_bias
-    l = ArchConfig.from_hf({**BASE, "attention_bias": True})
-    assert l.qkv_bias and l.o_bias
+    llama = ArchConfig.from_hf({**BASE, "attention_bias": True})
+    assert llama.qkv_bias and llama.o_bias
     t = ArchConfig.from_hf({**BASE, "tie_word_embeddings": True, "eos_token_id": [2, 7]})
     assert t.tie_word_embeddings and t.eos_token_ids == (2, 7)
     assert t.head_dim == 16 and t.kv_elements_per_token == 2 * 2 * 2 * 16

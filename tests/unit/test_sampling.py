@@ -6,8 +6,7 @@ import math
 import pytest
 import torch
 
-from server.model.sampling import (Sampler, SamplingParams, SamplingParamsError, SamplingState,
-                                   make_generator)
+from server.model.sampling import Sampler, SamplingParams, SamplingParamsError, SamplingState, make_generator
 
 
 @pytest.mark.parametrize("field, value", [

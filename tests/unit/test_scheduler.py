@@ -47,7 +47,7 @@ class FakeRunner:
         assert b.out_cache_loc.numel() == b.input_ids.numel()
         assert len(set(b.out_cache_loc.tolist())) == b.out_cache_loc.numel()
         self.kv[b.out_cache_loc] = b.input_ids
-        seq_of, offset = [], 0
+        seq_of = []
         for i, n in enumerate(b.extend_lens):
             seq_of += [i] * n
         logits = torch.full((b.logits_indices.numel(), VOCAB), -10.0)
