@@ -19,7 +19,7 @@ import torch
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
            "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16}
-SCHEDULE_POLICIES = ("fcfs",)
+SCHEDULE_POLICIES = ("lpm", "dfs_weight", "fcfs", "random")
 
 
 class ConfigError(ValueError):
@@ -68,10 +68,12 @@ class CacheConfig:
         max_total_tokens: KV pool capacity in tokens (shared by running requests and, from [2/9],
             the radix cache); None = derived from ``mem_fraction`` of available memory.
         mem_fraction: fraction of available host (CPU) or free device (GPU) memory for the pool.
+        disable_radix_cache: no prefix reuse (the same code path with a tree that never stores).
     """
 
     max_total_tokens: int | None = None
     mem_fraction: float = 0.1
+    disable_radix_cache: bool = False
 
     def __post_init__(self) -> None:
         if self.max_total_tokens is not None and self.max_total_tokens < 16:
@@ -88,15 +90,22 @@ class SchedulerConfig:
         max_running_requests: most requests decoding at once (rows of the request table).
         chunked_prefill_size: token budget of one extend batch; longer prompts are prefilled in
             chunks of at most this many tokens.
-        schedule_policy: order of the waiting queue ("fcfs"; [2/9] adds lpm, dfs_weight, random).
+        schedule_policy: order of the waiting queue: "lpm" (longest prefix match),
+            "dfs_weight", "fcfs" or "random" (see server.scheduler.policy).
         max_new_tokens_reserve: when admitting, each running request is assumed to still need
             min(remaining max_new_tokens, this) KV slots; a wrong guess is corrected by retraction.
+        starvation_limit_steps: a waiting request passed over by later arrivals in this many
+            scheduling steps is admitted before anything else.
+        max_cache_aware_queue: above this many waiting requests, lpm/dfs_weight fall back to
+            fcfs (matching every request against the tree each step costs time).
     """
 
     max_running_requests: int = 128
     chunked_prefill_size: int = 1024
-    schedule_policy: str = "fcfs"
+    schedule_policy: str = "lpm"
     max_new_tokens_reserve: int = 256
+    starvation_limit_steps: int = 64
+    max_cache_aware_queue: int = 128
 
     def __post_init__(self) -> None:
         if self.max_running_requests < 1:
@@ -108,6 +117,10 @@ class SchedulerConfig:
                 f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
         if self.max_new_tokens_reserve < 1:
             raise ConfigError("max_new_tokens_reserve must be >= 1")
+        if self.starvation_limit_steps < 1:
+            raise ConfigError("starvation_limit_steps must be >= 1")
+        if self.max_cache_aware_queue < 1:
+            raise ConfigError("max_cache_aware_queue must be >= 1")
 
 
 @dataclass(frozen=True)

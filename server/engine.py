@@ -21,6 +21,8 @@ from typing import Any, Iterator, Mapping, Sequence
 
 from kernels import cpu_has_native_bf16
 from server.cache.kv_pool import TokenKVPool
+from server.cache.manager import CacheManager
+from server.cache.radix_tree import RadixCache
 from server.cache.req_table import ReqToTokenTable
 from server.config import EngineConfig, resolve
 from server.detokenizer import IncrementalDetokenizer
@@ -39,8 +41,9 @@ class Engine:
     Args:
         model: model path (see :mod:`server.model.loader`); None = the embedded default.
         **kwargs: any field of ModelConfig (dtype, device, context_length, served_model_name),
-            CacheConfig (max_total_tokens, mem_fraction), SchedulerConfig (max_running_requests,
-            chunked_prefill_size, schedule_policy, max_new_tokens_reserve), or ``seed``.
+            CacheConfig (max_total_tokens, mem_fraction, disable_radix_cache), SchedulerConfig
+            (max_running_requests, chunked_prefill_size, schedule_policy, max_new_tokens_reserve,
+            starvation_limit_steps, max_cache_aware_queue), or ``seed``.
 
     Raises:
         server.config.ConfigError, server.model.loader.ModelLoadError.
@@ -63,9 +66,11 @@ class Engine:
         self.req_table = ReqToTokenTable(sc.max_running_requests, self.context_len, mc.device)
         self.runner = ModelRunner(loaded, self.kv_pool, dtype=mc.torch_dtype, device=mc.device,
                                   max_positions=self.context_len)
-        self.scheduler = Scheduler(sc, self.kv_pool, self.req_table,
-                                   vocab_size=loaded.arch.vocab_size, context_len=self.context_len,
-                                   sampler=Sampler(self.config.seed))
+        self.cache = CacheManager(self.kv_pool, self.req_table,
+                                  RadixCache(disabled=cc.disable_radix_cache))
+        self.scheduler = Scheduler(sc, self.cache, vocab_size=loaded.arch.vocab_size,
+                                   context_len=self.context_len, sampler=Sampler(self.config.seed),
+                                   seed=self.config.seed)
         self.eos_ids = frozenset(self._eos_ids())
 
     def _eos_ids(self) -> set[int]:
@@ -86,20 +91,24 @@ class Engine:
         return self.tokenizer(text)["input_ids"]
 
     def make_request(self, prompt: Prompt, params: SamplingParams,
-                     logprobs: LogprobOptions = LogprobOptions(), rid: str | None = None) -> Req:
-        """Tokenize and wrap one prompt (str or token ids) as a scheduler request."""
+                     logprobs: LogprobOptions = LogprobOptions(), rid: str | None = None,
+                     cache_salt: str | None = None) -> Req:
+        """Tokenize and wrap one prompt (str or token ids) as a scheduler request.
+
+        ``cache_salt`` puts the request in its own radix-cache namespace: it shares cached KV
+        only with requests of the same salt."""
         ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         return Req(rid=rid or uuid.uuid4().hex, input_ids=ids, params=params,
                    detokenizer=IncrementalDetokenizer(self.tokenizer, ids, params.stop,
                                                       params.skip_special_tokens),
-                   eos_ids=self.eos_ids, logprobs=logprobs)
+                   eos_ids=self.eos_ids, logprobs=logprobs, namespace=cache_salt)
 
     # ---------------------------------------------------------------- generation
     def generate(self, prompt: Prompt | Sequence[Prompt] | None = None,
                  sampling_params: Mapping[str, Any] | SamplingParams | None = None, *,
                  input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
                  return_logprob: bool = False, logprob_start_len: int = -1,
-                 top_logprobs_num: int = 0) -> dict | list[dict]:
+                 top_logprobs_num: int = 0, cache_salt: str | None = None) -> dict | list[dict]:
         """Generate for one prompt (returns a dict) or a batch (returns a list).
 
         ``prompt`` is text or a list of texts; ``input_ids`` token ids or a list of them. With
@@ -122,7 +131,7 @@ class Engine:
             for i in range(params.n):
                 seeded = params if params.seed is None or params.n == 1 else \
                     _replace_seed(params, params.seed + i)
-                reqs.append(self.make_request(p, seeded, lp))
+                reqs.append(self.make_request(p, seeded, lp, cache_salt=cache_salt))
         outputs = self.run(reqs)
         return outputs[0] if single and params.n == 1 else outputs
 
@@ -141,6 +150,10 @@ class Engine:
         elapsed = time.perf_counter() - start
         return [self._output(r, elapsed) for r in reqs]
 
+    def flush_cache(self) -> bool:
+        """Empty the radix cache; False (nothing done) while requests hold KV memory."""
+        return self.scheduler.flush_cache()
+
     def stream_steps(self) -> Iterator[list[TokenDelta]]:
         """Run scheduler steps until idle, yielding each step's token deltas."""
         while self.scheduler.has_work:
@@ -155,6 +168,7 @@ class Engine:
             "id": req.rid,
             "prompt_tokens": len(req.input_ids),
             "completion_tokens": len(req.output_ids),
+            "cached_tokens": req.cached_tokens,
             "finish_reason": req.finish_reason.to_dict() if req.finish_reason else None,
             "e2e_latency": elapsed,
         }

@@ -53,3 +53,10 @@ def has_default_model() -> bool:
         return os.path.isfile(default_model_path())
     except Exception:
         return False
+
+
+def assert_no_request_memory(cache) -> None:
+    """Every KV slot is free or an unlocked (evictable) radix-cache entry; no row is held."""
+    assert cache.pool.num_free + cache.tree.evictable_size == cache.pool.capacity
+    assert cache.tree.protected_size == 0
+    assert cache.req_table.num_free_rows == cache.req_table.max_requests

@@ -1,9 +1,12 @@
 """Req: one sequence's state inside the scheduler.
 
-Lengths (tokens), always ``0 <= computed_len <= len(fill_ids)``:
+Lengths (tokens), always ``0 <= prefix_len <= computed_len <= alloc_len <= len(fill_ids)``:
   * ``fill_ids = input_ids + output_ids``; the last output token's KV is computed by the next
     decode step, so while decoding ``computed_len == len(fill_ids) - 1``.
-  * ``computed_len``: positions whose KV is in the pool (slots in the request's table row).
+  * ``prefix_len``: leading positions whose KV slots belong to the radix tree (locked through
+    ``cache_node``); ``computed_len``: positions whose KV is valid; ``alloc_len``: positions with
+    a slot in the request's table row (more than computed while a batch is in flight).
+See :mod:`server.cache.manager` for who owns which range.
 """
 
 from __future__ import annotations
@@ -61,8 +64,15 @@ class Req:
     logprobs: LogprobOptions = field(default_factory=LogprobOptions)
     output_ids: list[int] = field(default_factory=list)
     status: ReqStatus = ReqStatus.WAITING
+    namespace: Any = None  # radix-cache namespace (e.g. a cache salt)
     row: int | None = None
+    prefix_len: int = 0
     computed_len: int = 0
+    alloc_len: int = 0
+    cache_node: Any = None  # radix-tree handle locked while the request holds a row
+    cached_tokens: int = 0  # prompt tokens reused from the cache at first admission
+    num_admissions: int = 0
+    passed_steps: int = 0  # scheduling steps in which later arrivals were admitted first
     finish_reason: FinishReason | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     # logprob results: lists of (logprob | None, token_id), and top-k lists per position

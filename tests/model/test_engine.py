@@ -11,7 +11,7 @@ import torch
 from server.engine import Engine
 from server.model.sampling import SamplingParamsError
 from server.scheduler.scheduler import InvalidRequestError
-from tests.helpers import hf_logits
+from tests.helpers import assert_no_request_memory, hf_logits
 
 
 def _prompts(n, seed=0, lo=1, hi=120):
@@ -28,7 +28,7 @@ def test_batch_of_64_equals_one_at_a_time(tiny_engine):
     reqs = [tiny_engine.make_request(p, tiny_engine_params(sp)) for p, sp in zip(prompts, params)]
     batched = [o["output_ids"] for o in tiny_engine.run(reqs)]
     assert batched == singles
-    assert tiny_engine.kv_pool.num_free == tiny_engine.kv_pool.capacity
+    assert_no_request_memory(tiny_engine.cache)
 
 
 def tiny_engine_params(d):
@@ -53,7 +53,7 @@ def test_chunking_and_memory_pressure_keep_greedy_outputs(make_tiny_model, tiny_
     assert got == want
     if kwargs.get("max_total_tokens") == 300:
         assert eng.scheduler.stats.retractions > 0
-    assert eng.kv_pool.num_free == eng.kv_pool.capacity
+    assert_no_request_memory(eng.cache)
 
 
 def test_logprobs_agree_with_transformers(make_tiny_model, tiny_engine):

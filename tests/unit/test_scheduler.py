@@ -14,12 +14,15 @@ import pytest
 import torch
 
 from server.cache.kv_pool import TokenKVPool
+from server.cache.manager import CacheManager
+from server.cache.radix_tree import RadixCache
 from server.cache.req_table import ReqToTokenTable
 from server.config import SchedulerConfig
 from server.model.forward_batch import ForwardBatch, ForwardMode, RunnerOutput
 from server.model.sampling import SamplingParams
 from server.scheduler.request import LogprobOptions, Req, ReqStatus
 from server.scheduler.scheduler import InvalidRequestError, Scheduler
+from tests.helpers import assert_no_request_memory
 
 VOCAB = 97
 EOS = 0
@@ -59,9 +62,10 @@ class FakeRunner:
         return RunnerOutput(logits)
 
 
-def make(capacity=256, rows=8, context=256, **cfg):
-    pool = TokenKVPool(capacity)
-    sched = Scheduler(SchedulerConfig(**cfg), pool, ReqToTokenTable(rows, context),
+def make(capacity=256, rows=8, context=256, disable_cache=False, **cfg):
+    cache = CacheManager(TokenKVPool(capacity), ReqToTokenTable(rows, context),
+                         RadixCache(disabled=disable_cache))
+    sched = Scheduler(SchedulerConfig(**{"schedule_policy": "fcfs", **cfg}), cache,
                       vocab_size=VOCAB, context_len=context)
     return sched, FakeRunner(capacity)
 
@@ -89,8 +93,7 @@ def run(sched, runner, max_steps=10_000, on_step=None):
 
 
 def assert_all_free(sched):
-    assert sched.pool.num_free == sched.pool.capacity
-    assert sched.req_table.num_free_rows == sched.req_table.max_requests
+    assert_no_request_memory(sched.cache)
     assert not (sched.waiting or sched.prefilling or sched.running or sched.reqs)
 
 
@@ -107,27 +110,36 @@ def test_single_request_lifecycle():
     assert_all_free(sched)
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_random_workload_with_chunks_aborts_and_pressure(seed):
-    """Random prompts (some sharing prefixes), random chunk size, a pool ~2.5x the longest
-    request, random aborts: invariants every step, exact outputs, everything free at the end."""
+@pytest.mark.parametrize("policy", ["lpm", "dfs_weight", "fcfs", "random", "no-cache"])
+@pytest.mark.parametrize("seed", range(4))
+def test_random_workload_with_chunks_aborts_flushes_and_pressure(seed, policy):
+    """Random prefix trees of requests, random chunk size, a pool ~2.5x the longest request,
+    random aborts and flush attempts: invariants every step, exact outputs, all free at the end."""
     rng = random.Random(seed)
     longest = 0
     reqs = []
-    base = [rng.randrange(1, VOCAB) for _ in range(40)]
+    trunks = [[rng.randrange(1, VOCAB) for _ in range(40)] for _ in range(3)]
     for i in range(30):
-        prompt = base[:rng.randrange(0, 40)] + [rng.randrange(1, VOCAB) for _ in range(rng.randrange(1, 30))]
+        trunk = rng.choice(trunks)
+        branch = [rng.randrange(1, VOCAB) for _ in range(rng.randrange(1, 30))]
+        prompt = trunk[:rng.randrange(0, 40)] + branch
+        if rng.random() < 0.2:
+            prompt = prompt + trunk[:10]  # a shared run in the middle too
         max_new = rng.randrange(0, 25)
         longest = max(longest, len(prompt) + max_new)
         reqs.append(req(f"r{i}", prompt, max_new))
     sched, runner = make(capacity=int(longest * 2.5), rows=6,
                          chunked_prefill_size=rng.choice([1, 3, 7, 16, 64]),
-                         max_new_tokens_reserve=rng.choice([1, 4, 32]))
+                         max_new_tokens_reserve=rng.choice([1, 4, 32]),
+                         schedule_policy="fcfs" if policy == "no-cache" else policy,
+                         disable_cache=policy == "no-cache")
     for r in reqs[:20]:
         sched.add_request(r)
     aborted = set()
+    flushed = 0
 
     def chaos(step):
+        nonlocal flushed
         if step == 5:
             for r in reqs[20:]:
                 sched.add_request(r)
@@ -137,6 +149,13 @@ def test_random_workload_with_chunks_aborts_and_pressure(seed):
                 victim = rng.choice(live)
                 assert sched.abort(victim.rid) is not None
                 aborted.add(victim.rid)
+        if rng.random() < 0.1:
+            idle = not (sched.prefilling or sched.running)
+            assert sched.flush_cache() == idle
+            if idle:
+                flushed += 1
+                assert sched.cache.tree.total_size == 0
+                assert sched.cache.pool.num_free == sched.cache.pool.capacity
 
     done = run(sched, runner, on_step=chaos)
     for r in reqs:
@@ -145,6 +164,10 @@ def test_random_workload_with_chunks_aborts_and_pressure(seed):
         else:
             assert r.output_ids == expected_output(r.input_ids, r.params.max_new_tokens), r.rid
     assert_all_free(sched)
+    if policy == "no-cache":
+        assert sched.stats.cached_prompt_tokens == 0 and sched.cache.tree.total_size == 0
+    else:
+        assert sched.stats.cached_prompt_tokens > 0
 
 
 def test_retraction_under_memory_pressure_keeps_outputs_exact():
@@ -247,3 +270,154 @@ def test_duplicate_request_id_refused():
     sched.add_request(req("a", [1], 1))
     with pytest.raises(InvalidRequestError, match="duplicate"):
         sched.add_request(req("a", [2], 1))
+
+
+def _finish_one(sched, runner, r):
+    sched.add_request(r)
+    run(sched, runner)
+
+
+def test_finished_request_is_reused_exactly():
+    sched, runner = make()
+    a = req("a", list(range(1, 21)), 5)
+    _finish_one(sched, runner, a)
+    # the tree holds prompt + output except the last sampled token (its KV was never computed)
+    assert sched.cache.tree.total_size == 20 + 5 - 1
+    b = req("b", list(range(1, 16)) + [90, 91], 3)
+    _finish_one(sched, runner, b)
+    assert b.cached_tokens == 15
+    assert runner.batches[-3].prefix_lens == [15] and runner.batches[-3].extend_lens == [2]
+    assert b.output_ids == expected_output(b.input_ids, 3)
+    assert sched.stats.cached_prompt_tokens == 15 and sched.stats.prompt_tokens == 37
+    assert sched.stats.cache_hit_rate == pytest.approx(15 / 37)
+
+
+def test_fully_repeated_prompt_still_computes_one_token():
+    sched, runner = make()
+    _finish_one(sched, runner, req("a", [5, 6, 7, 8], 2))
+    again = req("b", [5, 6, 7, 8], 2)
+    _finish_one(sched, runner, again)
+    assert again.cached_tokens == 3
+    assert runner.batches[-2].extend_lens == [1] and runner.batches[-2].prefix_lens == [3]
+    assert again.output_ids == expected_output([5, 6, 7, 8], 2)
+
+
+def test_prompt_logprobs_cap_the_reused_prefix():
+    sched, runner = make()
+    _finish_one(sched, runner, req("a", list(range(1, 11)), 1))
+    b = req("b", list(range(1, 11)), 1)
+    b.logprobs = LogprobOptions(return_logprob=True, logprob_start_len=4)
+    _finish_one(sched, runner, b)
+    assert b.cached_tokens == 3  # positions 3.. are recomputed for the logprobs of tokens 4..
+    assert [tok for _, tok in b.input_token_logprobs] == list(range(5, 11))
+
+
+def test_lpm_admits_longest_cached_prefix_first():
+    sched, runner = make(schedule_policy="lpm", max_running_requests=1)
+    _finish_one(sched, runner, req("warm", list(range(1, 31)), 1))
+    short = req("short", list(range(1, 6)) + [80, 81], 1)
+    none = req("none", [70, 71, 72], 1)
+    long = req("long", list(range(1, 26)) + [82], 1)
+    for r in (none, short, long):  # arrival order: none, short, long
+        sched.add_request(r)
+    order = []
+    while sched.has_work:
+        b = sched.step()
+        order += [d.rid for d in sched.update(b, runner.forward(b)) if d.finish_reason]
+    assert order == ["long", "short", "none"]
+
+
+def test_fcfs_ignores_the_cache():
+    sched, runner = make(schedule_policy="fcfs", max_running_requests=1)
+    _finish_one(sched, runner, req("warm", list(range(1, 31)), 1))
+    reqs = [req("none", [70, 71], 1), req("long", list(range(1, 26)), 1)]
+    for r in reqs:
+        sched.add_request(r)
+    order = []
+    while sched.has_work:
+        b = sched.step()
+        order += [d.rid for d in sched.update(b, runner.forward(b)) if d.finish_reason]
+    assert order == ["none", "long"]
+
+
+def test_starvation_bound():
+    """A request with no cache hit is passed by later cache-hitting arrivals at most
+    starvation_limit_steps times, then admitted first."""
+    sched, runner = make(schedule_policy="lpm", max_running_requests=1,
+                         starvation_limit_steps=3)
+    _finish_one(sched, runner, req("warm", list(range(1, 31)), 1))
+    loner = req("loner", [90, 91, 92], 1)
+    sched.add_request(loner)
+    order = []
+    for i in range(8):  # keep feeding cache-hitting requests that arrive after the loner
+        sched.add_request(req(f"hit{i}", list(range(1, 20)) + [60 + i], 1))
+        b = sched.step()
+        order += [d.rid for d in sched.update(b, runner.forward(b)) if d.finish_reason]
+    run(sched, runner)
+    assert loner.finish_reason is not None
+    assert order.index("loner") == 3  # passed exactly 3 times
+
+
+def test_dfs_weight_groups_requests_by_subtree():
+    sched, runner = make(schedule_policy="dfs_weight", max_running_requests=1)
+    _finish_one(sched, runner, req("warm-a", [1, 2, 3, 4, 5], 1))
+    _finish_one(sched, runner, req("warm-b", [9, 8, 7, 6, 5], 1))
+    arrivals = [req("a1", [1, 2, 3, 4, 5, 10], 1), req("b1", [9, 8, 7, 6, 5, 11], 1),
+                req("a2", [1, 2, 3, 4, 5, 12], 1), req("a3", [1, 2, 3, 4, 5, 13], 1)]
+    for r in arrivals:
+        sched.add_request(r)
+    order = []
+    while sched.has_work:
+        b = sched.step()
+        order += [d.rid for d in sched.update(b, runner.forward(b)) if d.finish_reason]
+    assert order == ["a1", "a2", "a3", "b1"]  # the heavier subtree first
+
+
+def test_retraction_keeps_computed_work_in_the_cache():
+    sched, runner = make(capacity=60, rows=8, max_new_tokens_reserve=1)
+    reqs = [req(f"r{i}", [i + 1] * 10, 30) for i in range(5)]
+    for r in reqs:
+        sched.add_request(r)
+    readmitted_with_cache = []
+    orig_admit = sched.cache.admit
+
+    def spy(r):
+        hit = orig_admit(r)
+        if r.num_admissions > 0:
+            readmitted_with_cache.append(hit.cached_len)
+        return hit
+
+    sched.cache.admit = spy
+    run(sched, runner)
+    assert sched.stats.retractions > 0 and sched.cache.stats.evicted_tokens > 0
+    assert any(n > 0 for n in readmitted_with_cache)
+    for r in reqs:
+        assert r.output_ids == expected_output(r.input_ids, 30)
+
+
+def test_namespaces_isolate_the_cache():
+    sched, runner = make()
+    a = req("a", list(range(1, 21)), 2)
+    a.namespace = "salt-1"
+    _finish_one(sched, runner, a)
+    b = req("b", list(range(1, 21)), 2)
+    b.namespace = "salt-2"
+    _finish_one(sched, runner, b)
+    c = req("c", list(range(1, 21)), 2)
+    c.namespace = "salt-1"
+    _finish_one(sched, runner, c)
+    assert (b.cached_tokens, c.cached_tokens) == (0, 19)
+    assert b.output_ids == c.output_ids == expected_output(list(range(1, 21)), 2)
+
+
+def test_flush_refused_while_running():
+    sched, runner = make()
+    sched.add_request(req("a", [1, 2, 3], 5))
+    b = sched.step()
+    sched.update(b, runner.forward(b))
+    held = sched.cache.pool.capacity - sched.cache.pool.num_free
+    assert not sched.flush_cache() and held > 0
+    assert sched.cache.pool.capacity - sched.cache.pool.num_free == held  # nothing was freed
+    sched.check_invariants()
+    run(sched, runner)
+    assert sched.flush_cache() and sched.cache.tree.total_size == 0

@@ -1,0 +1,68 @@
+"""Turning the runner's logits into request progress: prompt logprobs, sampling, appending
+tokens, and stop conditions (EOS, stop token ids, stop strings, length, context).
+
+Pure bookkeeping on :class:`Req` objects; memory is released by the scheduler when a request
+finishes, never here.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from server.model.sampling import Sampler, top_logprobs
+from server.scheduler.request import FinishReason, Req
+
+
+def record_input_logprobs(req: Req, positions: Sequence[int], rows: Sequence[int],
+                          logits: torch.Tensor) -> None:
+    """Store the logprob of each prompt token p + 1 given logits row of position p."""
+    pairs = [(p, r) for p, r in zip(positions, rows) if p + 1 < len(req.input_ids)]
+    if not pairs:
+        return
+    lp = torch.log_softmax(logits[[r for _, r in pairs]], dim=-1)
+    targets = torch.tensor([req.input_ids[p + 1] for p, _ in pairs])
+    chosen = lp.gather(1, targets[:, None]).squeeze(1).tolist()
+    req.input_token_logprobs.extend(zip(chosen, targets.tolist()))
+    if req.logprobs.top_logprobs_num:
+        req.input_top_logprobs.extend(top_logprobs(lp, req.logprobs.top_logprobs_num))
+
+
+def sample_and_append(sampler: Sampler, items: Sequence[tuple[Req, int]], logits: torch.Tensor,
+                      context_len: int) -> list[tuple[Req, int, FinishReason | None]]:
+    """Sample one token for each (request, logits row); append it and check stop conditions.
+
+    Returns (request, token, finish reason or None) per item, in order.
+    """
+    reqs = [r for r, _ in items]
+    for r in reqs:
+        r.sampling.banned_ids = r.banned_ids()
+    want = any(r.logprobs.return_logprob for r in reqs)
+    k = max(r.logprobs.top_logprobs_num for r in reqs)
+    sampled = sampler.sample(logits[[i for _, i in items]], [r.sampling for r in reqs],
+                             want_logprobs=want, num_top_logprobs=k)
+    out = []
+    for i, (req, tok) in enumerate(zip(reqs, sampled.next_ids)):
+        req.output_ids.append(tok)
+        if req.logprobs.return_logprob:
+            req.output_token_logprobs.append((sampled.logprobs[i], tok))
+            if req.logprobs.top_logprobs_num:
+                req.output_top_logprobs.append(
+                    sampled.top_logprobs[i][:req.logprobs.top_logprobs_num])
+        out.append((req, tok, check_finished(req, tok, context_len)))
+    return out
+
+
+def check_finished(req: Req, tok: int, context_len: int) -> FinishReason | None:
+    """Stop conditions after appending ``tok``; feeds the detokenizer (not the stop token)."""
+    p = req.params
+    if tok in p.stop_token_ids or (tok in req.eos_ids and not p.ignore_eos):
+        return FinishReason("stop", matched=tok)
+    if req.detokenizer is not None:
+        req.detokenizer.append(tok)
+        if req.detokenizer.matched_stop is not None:
+            return FinishReason("stop", matched=req.detokenizer.matched_stop)
+    if len(req.output_ids) >= p.max_new_tokens or req.fill_len >= context_len:
+        return FinishReason("length")
+    return None
