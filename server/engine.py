@@ -29,8 +29,10 @@ from server.detokenizer import IncrementalDetokenizer
 from server.model.loader import load_model
 from server.model.runner import ModelRunner
 from server.model.sampling import Sampler, SamplingParams
+from server.scheduler.outputs import TokenDelta
 from server.scheduler.request import LogprobOptions, Req
-from server.scheduler.scheduler import InvalidRequestError, Scheduler, TokenDelta
+from server.scheduler.scheduler import Scheduler
+from server.scheduler.validation import InvalidRequestError
 
 Prompt = str | Sequence[int]
 
@@ -149,6 +151,10 @@ class Engine:
             pass
         elapsed = time.perf_counter() - start
         return [self._output(r, elapsed) for r in reqs]
+
+    def metrics(self) -> dict[str, float]:
+        """Scheduler and cache counters (see ``Scheduler.metrics``)."""
+        return self.scheduler.metrics()
 
     def flush_cache(self) -> bool:
         """Empty the radix cache; False (nothing done) while requests hold KV memory."""

@@ -7,12 +7,24 @@ finishes, never here.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 from server.model.sampling import Sampler, top_logprobs
 from server.scheduler.request import FinishReason, Req
+
+
+@dataclass
+class TokenDelta:
+    """What one step changed for one request: new token ids, the cumulative stream-safe text,
+    and the finish reason once finished."""
+
+    rid: str
+    new_token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None = None
 
 
 def record_input_logprobs(req: Req, positions: Sequence[int], rows: Sequence[int],

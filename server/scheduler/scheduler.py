@@ -14,12 +14,17 @@ and memory last. Memory for admission counts free plus evictable slots, minus a 
 what admitted requests will still need: their uncomputed prompt plus
 ``min(remaining max_new_tokens, max_new_tokens_reserve)``.
 
+In-batch prefix sharing (cache-aware policies): a request whose *uncached* part shares at least
+``IN_BATCH_SHARE_THRESHOLD`` tokens with a request being prefilled in the same step is deferred
+one step, so it reuses that KV from the cache instead of computing it a second time (SGLang's
+in-batch prefix caching check).
+
 Memory pressure: allocation evicts LRU cache leaves first; when that is not enough, the newest
 admitted requests are *retracted*: their computed KV goes into the cache and they return to the
 waiting queue (outputs kept), to resume cheaply from their cached prefix later.
 
-Errors: :class:`InvalidRequestError` from :meth:`Scheduler.add_request` for requests that can
-never run (empty, too long for the context or the pool, token ids out of range, duplicate id).
+Errors: :class:`InvalidRequestError` (``server.scheduler.validation``) from
+:meth:`Scheduler.add_request` for requests that can never run, before anything is queued.
 """
 
 from __future__ import annotations
@@ -31,31 +36,17 @@ from dataclasses import dataclass, field
 import torch
 
 from server.cache.manager import CacheManager
+from server.cache.radix_tree import RadixCache
 from server.config import SchedulerConfig
 from server.model.forward_batch import ForwardBatch, ForwardMode, RunnerOutput
 from server.model.sampling import Sampler
 from server.scheduler import policy
-from server.scheduler.outputs import record_input_logprobs, sample_and_append
+from server.scheduler.outputs import TokenDelta, record_input_logprobs, sample_and_append
 from server.scheduler.request import FinishReason, Req, ReqStatus
+from server.scheduler.validation import InvalidRequestError, validate_request
 
-
-class InvalidRequestError(ValueError):
-    """The request can never be served; ``param`` names the offending field."""
-
-    def __init__(self, param: str, message: str):
-        super().__init__(message)
-        self.param = param
-
-
-@dataclass
-class TokenDelta:
-    """What one step changed for one request: new token ids, the cumulative stream-safe text,
-    and the finish reason once finished."""
-
-    rid: str
-    new_token_ids: list[int]
-    text: str
-    finish_reason: FinishReason | None = None
+IN_BATCH_SHARE_THRESHOLD = 32  # tokens
+_NO_SLOTS = torch.empty(0, dtype=torch.int64)
 
 
 @dataclass
@@ -110,26 +101,10 @@ class Scheduler:
     # ---------------------------------------------------------------- requests in and out
     def validate(self, req: Req) -> None:
         """Raise InvalidRequestError / SamplingParamsError if ``req`` can never run."""
-        n = len(req.input_ids)
-        if n == 0:
-            raise InvalidRequestError("input_ids", "the prompt is empty")
         if req.rid in self.reqs:
             raise InvalidRequestError("rid", f"duplicate request id {req.rid!r}")
-        bad = [t for t in req.input_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                "input_ids", f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        total = n + req.params.max_new_tokens
-        if total > self.context_len:
-            raise InvalidRequestError(
-                "max_new_tokens", f"prompt ({n} tokens) + max_new_tokens "
-                f"({req.params.max_new_tokens}) = {total} exceeds the context length "
-                f"{self.context_len}")
-        if total - 1 > self.cache.pool.capacity:
-            raise InvalidRequestError(
-                "input_ids", f"prompt ({n} tokens) + max_new_tokens needs {total - 1} KV slots; "
-                f"the pool holds {self.cache.pool.capacity}")
-        req.params.validate_for_vocab(self.vocab_size)
+        validate_request(req, vocab_size=self.vocab_size, context_len=self.context_len,
+                         kv_capacity=self.cache.pool.capacity)
 
     def add_request(self, req: Req) -> None:
         """Validate and queue ``req``; raises (and queues nothing) if it can never run."""
@@ -152,6 +127,11 @@ class Scheduler:
             self.waiting.remove(req)
         self.stats.aborts += 1
         return self._finish(req, FinishReason("abort", message=message))
+
+    def reset_stats(self) -> None:
+        """Zero the counters (e.g. after a warm-up)."""
+        self.stats = SchedulerStats()
+        self.cache.stats.evicted_tokens = 0
 
     def flush_cache(self) -> bool:
         """Empty the radix cache; refused (False) while any request holds KV memory."""
@@ -202,11 +182,14 @@ class Scheduler:
             chunks.append((req, n, slots))
             budget -= n
         admitted: list[Req] = []
+        in_step = self._in_step_tree(chunks)
         for req in self._ordered_waiting():
             if budget <= 0 or self.cache.req_table.num_free_rows == 0:
                 break
             if len(self.prefilling) + len(self.running) >= self.config.max_running_requests:
                 break
+            if in_step is not None and self._shares_with_step(req, in_step):
+                continue  # computed by another request this step: it will be a cache hit next
             busy = bool(self.prefilling or self.running)
             hit = self.cache.admit(req)
             need = req.fill_len - req.computed_len + min(req.remaining_new_tokens,
@@ -227,12 +210,29 @@ class Scheduler:
             chunks.append((req, n, slots))
             admitted.append(req)
             budget -= n
+            if in_step is not None:
+                in_step.insert(req.fill_ids, _NO_SLOTS.new_zeros(req.fill_len), req.namespace)
         if admitted:
             last = max(r.arrival_time for r in admitted)
             for r in self.waiting:
                 if r.arrival_time < last:
                     r.passed_steps += 1
         return self._build_extend(chunks) if chunks else None
+
+    def _in_step_tree(self, chunks) -> RadixCache | None:
+        """A scratch tree of what this step prefills (cache-aware policies only)."""
+        if self.cache.tree.disabled or self.config.schedule_policy not in ("lpm", "dfs_weight"):
+            return None
+        tree = RadixCache()
+        for req, _, _ in chunks:
+            tree.insert(req.fill_ids, _NO_SLOTS.new_zeros(req.fill_len), req.namespace)
+        return tree
+
+    def _shares_with_step(self, req: Req, in_step: RadixCache) -> bool:
+        key = req.fill_ids[:CacheManager.max_prefix(req)]
+        cached = self.cache.tree.prefix_len(key, req.namespace)[0]
+        shared = in_step.prefix_len(key, req.namespace)[0]
+        return shared - cached >= IN_BATCH_SHARE_THRESHOLD
 
     def _build_extend(self, chunks: list[tuple[Req, int, torch.Tensor]]) -> ForwardBatch:
         ids, pos, plan = [], [], _Plan([])
@@ -326,8 +326,10 @@ class Scheduler:
             if req.wants_input_logprobs:
                 record_input_logprobs(req, positions, rows, out.logits)
             if req.status is ReqStatus.PREFILLING:
+                # Prompt KV (a chunk, or the whole prompt) goes into the tree at once, so
+                # requests arriving meanwhile share it instead of recomputing it.
+                self.cache.cache_unfinished(req)
                 if req.computed_len < req.fill_len:
-                    self.cache.cache_unfinished(req)  # share finished chunks right away
                     continue
                 self.prefilling.remove(req)
                 req.status = ReqStatus.RUNNING
@@ -364,6 +366,31 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
         self.cache.release(req, cache=True)
+
+    def metrics(self) -> dict[str, float]:
+        """A snapshot for monitoring: queue sizes (requests), KV memory (tokens, and
+        ``kv_usage`` = share of the pool held by requests or locked cache entries), cache
+        counters and the hit rate (cached / prompt tokens)."""
+        cache, st = self.cache, self.stats
+        pool, tree = cache.pool, cache.tree
+        held = pool.capacity - pool.num_free - tree.evictable_size
+        return {
+            "running_requests": len(self.running) + len(self.prefilling),
+            "waiting_requests": len(self.waiting),
+            "kv_capacity_tokens": pool.capacity,
+            "kv_free_tokens": pool.num_free,
+            "kv_cached_tokens": tree.evictable_size + tree.protected_size,
+            "kv_usage": held / pool.capacity,
+            "prompt_tokens": st.prompt_tokens,
+            "cached_prompt_tokens": st.cached_prompt_tokens,
+            "cache_hit_rate": st.cache_hit_rate,
+            "generated_tokens": st.generated_tokens,
+            "evicted_tokens": cache.stats.evicted_tokens,
+            "retractions": st.retractions,
+            "aborts": st.aborts,
+            "finished_requests": st.finished_requests,
+            "forward_passes": st.forward_passes,
+        }
 
     # ---------------------------------------------------------------- checks
     def check_invariants(self) -> None:

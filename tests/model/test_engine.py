@@ -10,7 +10,7 @@ import torch
 
 from server.engine import Engine
 from server.model.sampling import SamplingParamsError
-from server.scheduler.scheduler import InvalidRequestError
+from server.scheduler.validation import InvalidRequestError
 from tests.helpers import assert_no_request_memory, hf_logits
 
 

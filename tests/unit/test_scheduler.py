@@ -21,7 +21,8 @@ from server.config import SchedulerConfig
 from server.model.forward_batch import ForwardBatch, ForwardMode, RunnerOutput
 from server.model.sampling import SamplingParams
 from server.scheduler.request import LogprobOptions, Req, ReqStatus
-from server.scheduler.scheduler import InvalidRequestError, Scheduler
+from server.scheduler.scheduler import Scheduler
+from server.scheduler.validation import InvalidRequestError
 from tests.helpers import assert_no_request_memory
 
 VOCAB = 97
@@ -90,6 +91,16 @@ def run(sched, runner, max_steps=10_000, on_step=None):
         if on_step:
             on_step(step)
     raise AssertionError("did not finish")
+
+
+def finish_order(sched, runner) -> list[str]:
+    """Run to idle; request ids in the order they finished."""
+    order = []
+    while sched.has_work:
+        b = sched.step()
+        order += [d.rid for d in sched.update(b, runner.forward(b)) if d.finish_reason]
+        sched.check_invariants()
+    return order
 
 
 def assert_all_free(sched):
@@ -186,10 +197,7 @@ def test_fcfs_order_with_one_running_slot():
     sched, runner = make(max_running_requests=1)
     for i in range(4):
         sched.add_request(req(f"r{i}", [i + 1, 2], 3))
-    order = []
-    while sched.has_work:
-        b = sched.step()
-        order += [d.rid for d in sched.update(b, runner.forward(b)) if d.finish_reason]
+    order = finish_order(sched, runner)
     assert order == ["r0", "r1", "r2", "r3"]
 
 
@@ -320,10 +328,7 @@ def test_lpm_admits_longest_cached_prefix_first():
     long = req("long", list(range(1, 26)) + [82], 1)
     for r in (none, short, long):  # arrival order: none, short, long
         sched.add_request(r)
-    order = []
-    while sched.has_work:
-        b = sched.step()
-        order += [d.rid for d in sched.update(b, runner.forward(b)) if d.finish_reason]
+    order = finish_order(sched, runner)
     assert order == ["long", "short", "none"]
 
 
@@ -333,10 +338,7 @@ def test_fcfs_ignores_the_cache():
     reqs = [req("none", [70, 71], 1), req("long", list(range(1, 26)), 1)]
     for r in reqs:
         sched.add_request(r)
-    order = []
-    while sched.has_work:
-        b = sched.step()
-        order += [d.rid for d in sched.update(b, runner.forward(b)) if d.finish_reason]
+    order = finish_order(sched, runner)
     assert order == ["none", "long"]
 
 
@@ -366,10 +368,7 @@ def test_dfs_weight_groups_requests_by_subtree():
                 req("a2", [1, 2, 3, 4, 5, 12], 1), req("a3", [1, 2, 3, 4, 5, 13], 1)]
     for r in arrivals:
         sched.add_request(r)
-    order = []
-    while sched.has_work:
-        b = sched.step()
-        order += [d.rid for d in sched.update(b, runner.forward(b)) if d.finish_reason]
+    order = finish_order(sched, runner)
     assert order == ["a1", "a2", "a3", "b1"]  # the heavier subtree first
 
 
@@ -421,3 +420,37 @@ def test_flush_refused_while_running():
     sched.check_invariants()
     run(sched, runner)
     assert sched.flush_cache() and sched.cache.tree.total_size == 0
+
+
+@pytest.mark.parametrize("policy, second_hit", [("lpm", 40), ("fcfs", 0)])
+def test_in_batch_prefix_sharing_defers_the_duplicate(policy, second_hit):
+    """Two requests sharing a 40-token uncached prefix arrive together: with a cache-aware
+    policy the second waits one step and reuses the first's KV instead of recomputing it."""
+    sched, runner = make(schedule_policy=policy, chunked_prefill_size=256)
+    shared = list(range(1, 41))
+    a, b = req("a", shared + [50, 51], 2), req("b", shared + [60, 61], 2)
+    sched.add_request(a)
+    sched.add_request(b)
+    run(sched, runner)
+    assert (a.cached_tokens, b.cached_tokens) == (0, second_hit)
+    assert a.output_ids == expected_output(a.input_ids, 2)
+    assert b.output_ids == expected_output(b.input_ids, 2)
+
+
+def test_metrics_snapshot_tracks_the_lifecycle():
+    sched, runner = make(capacity=200, schedule_policy="lpm")
+    sched.add_request(req("a", list(range(1, 41)), 4))
+    sched.add_request(req("b", list(range(1, 41)) + [77], 4))
+    m = sched.metrics()
+    assert (m["waiting_requests"], m["running_requests"], m["kv_usage"]) == (2, 0, 0.0)
+    b = sched.step()
+    sched.update(b, runner.forward(b))
+    m = sched.metrics()
+    assert m["running_requests"] >= 1 and m["kv_usage"] > 0
+    run(sched, runner)
+    m = sched.metrics()
+    assert m["running_requests"] == m["waiting_requests"] == 0 and m["kv_usage"] == 0.0
+    assert m["prompt_tokens"] == 81 and m["cached_prompt_tokens"] == 40
+    assert m["cache_hit_rate"] == pytest.approx(40 / 81)
+    assert m["generated_tokens"] == 8 and m["finished_requests"] == 2
+    assert m["kv_cached_tokens"] + m["kv_free_tokens"] == m["kv_capacity_tokens"]
