@@ -196,3 +196,35 @@ def resolve(config: EngineConfig, *, kv_elements_per_token: int, model_context_l
                 "set max_total_tokens or mem_fraction")
         cache = dataclasses.replace(cache, max_total_tokens=tokens)
     return dataclasses.replace(config, model=model, cache=cache)
+
+
+@dataclass(frozen=True)
+class HTTPConfig:
+    """The HTTP process. Times in seconds, sizes in bytes.
+
+    Attributes:
+        host, port: where to listen (default 127.0.0.1:30000).
+        api_key: required on every route but health/metrics when set.
+        max_queued_requests: requests in flight beyond which new ones get 503 + Retry-After.
+        max_body_bytes: larger request bodies get 413 before they are parsed.
+        shutdown_timeout: on SIGTERM, how long in-flight requests may drain.
+        startup_timeout: how long to wait for the scheduler process to load the model.
+        log_level: "debug", "info", "warning" or "error".
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    max_queued_requests: int = 1024
+    max_body_bytes: int = 8 << 20
+    shutdown_timeout: float = 30.0
+    startup_timeout: float = 300.0
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_queued_requests < 1:
+            raise ConfigError("max_queued_requests must be >= 1")
+        if self.log_level not in ("debug", "info", "warning", "error"):
+            raise ConfigError(f"log_level must be debug/info/warning/error, got {self.log_level!r}")

@@ -47,12 +47,18 @@ class Engine:
             (max_running_requests, chunked_prefill_size, schedule_policy, max_new_tokens_reserve,
             starvation_limit_steps, max_cache_aware_queue), or ``seed``.
 
+        config: a whole EngineConfig instead of ``model`` and keywords (the server uses this).
+
     Raises:
         server.config.ConfigError, server.model.loader.ModelLoadError.
     """
 
-    def __init__(self, model: str | None = None, **kwargs: Any):
-        config = EngineConfig.from_kwargs(model=model, **kwargs)
+    def __init__(self, model: str | None = None, *, config: EngineConfig | None = None,
+                 **kwargs: Any):
+        if config is None:
+            config = EngineConfig.from_kwargs(model=model, **kwargs)
+        elif model is not None or kwargs:
+            raise ValueError("give either config or model/keyword options, not both")
         loaded = load_model(config.model.path)
         self.config = resolve(config, kv_elements_per_token=loaded.arch.kv_elements_per_token,
                               model_context_length=loaded.arch.max_position_embeddings,

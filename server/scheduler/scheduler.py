@@ -103,8 +103,8 @@ class Scheduler:
         """Raise InvalidRequestError / SamplingParamsError if ``req`` can never run."""
         if req.rid in self.reqs:
             raise InvalidRequestError("rid", f"duplicate request id {req.rid!r}")
-        validate_request(req, vocab_size=self.vocab_size, context_len=self.context_len,
-                         kv_capacity=self.cache.pool.capacity)
+        validate_request(req.input_ids, req.params, vocab_size=self.vocab_size,
+                         context_len=self.context_len, kv_capacity=self.cache.pool.capacity)
 
     def add_request(self, req: Req) -> None:
         """Validate and queue ``req``; raises (and queues nothing) if it can never run."""
@@ -118,15 +118,22 @@ class Scheduler:
             if req.logprobs.top_logprobs_num:
                 req.input_top_logprobs.append([])
 
-    def abort(self, rid: str, message: str = "aborted") -> TokenDelta | None:
-        """End request ``rid`` in any state and free its memory; None if unknown or done."""
+    def abort(self, rid: str, message: str = "aborted", error: bool = False) -> TokenDelta | None:
+        """End request ``rid`` in any state and free its memory; None if unknown or done.
+        ``error`` reports finish reason "error" (a request-scoped failure) instead of "abort"."""
         req = self.reqs.get(rid)
         if req is None or req.finished:
             return None
         if req.status is ReqStatus.WAITING:
             self.waiting.remove(req)
         self.stats.aborts += 1
-        return self._finish(req, FinishReason("abort", message=message))
+        return self._finish(req, FinishReason("error" if error else "abort", message=message))
+
+    def fail_batch(self, batch: ForwardBatch, message: str) -> list[TokenDelta]:
+        """End every request of an in-flight ``batch`` whose forward or update failed, with
+        finish reason "error"; the scheduler is ready for the next step."""
+        self._plan = None
+        return [d for rid in batch.req_ids if (d := self.abort(rid, message, error=True))]
 
     def reset_stats(self) -> None:
         """Zero the counters (e.g. after a warm-up)."""

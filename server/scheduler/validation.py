@@ -3,7 +3,9 @@ a rejected request always gets a clear error naming the field; nothing is queued
 
 from __future__ import annotations
 
-from server.scheduler.request import Req
+from typing import Sequence
+
+from server.model.sampling import SamplingParams
 
 
 class InvalidRequestError(ValueError):
@@ -14,24 +16,25 @@ class InvalidRequestError(ValueError):
         self.param = param
 
 
-def validate_request(req: Req, *, vocab_size: int, context_len: int, kv_capacity: int) -> None:
-    """Raise InvalidRequestError (or SamplingParamsError) if ``req`` can never run: an empty
+def validate_request(input_ids: Sequence[int], params: SamplingParams, *, vocab_size: int,
+                     context_len: int, kv_capacity: int) -> None:
+    """Raise InvalidRequestError (or SamplingParamsError) if a request can never run: an empty
     prompt, token ids outside [0, vocab_size), prompt + max_new_tokens over the context length
     (tokens) or needing more KV slots than the whole pool holds."""
-    n = len(req.input_ids)
+    n = len(input_ids)
     if n == 0:
         raise InvalidRequestError("input_ids", "the prompt is empty")
-    bad = [t for t in req.input_ids if not 0 <= t < vocab_size]
+    bad = [t for t in input_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
     if bad:
         raise InvalidRequestError(
             "input_ids", f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
-    total = n + req.params.max_new_tokens
+    total = n + params.max_new_tokens
     if total > context_len:
         raise InvalidRequestError(
             "max_new_tokens", f"prompt ({n} tokens) + max_new_tokens "
-            f"({req.params.max_new_tokens}) = {total} exceeds the context length {context_len}")
+            f"({params.max_new_tokens}) = {total} exceeds the context length {context_len}")
     if total - 1 > kv_capacity:
         raise InvalidRequestError(
             "input_ids", f"prompt ({n} tokens) + max_new_tokens needs {total - 1} KV slots; "
             f"the pool holds {kv_capacity}")
-    req.params.validate_for_vocab(vocab_size)
+    params.validate_for_vocab(vocab_size)

@@ -221,6 +221,8 @@ def test_prefill_only_request_finishes_without_output():
     assert [t for _, t in r.input_token_logprobs] == [3, 4, 5]
     assert r.input_token_logprobs[0][0] is None
     assert_all_free(sched)
+    # a prefill-only request is a cache hint: its whole prompt is now cached
+    assert sched.cache.tree.prefix_len([3, 4, 5])[0] == 3
 
 
 def test_eos_and_stop_token_ids_finish_with_matched_token():

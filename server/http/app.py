@@ -1,0 +1,92 @@
+"""create_app(...): the FastAPI application (no module globals; everything hangs off app.state).
+
+Every error is OpenAI-shaped JSON ``{"error": {message, type, param, code}}``: invalid bodies
+are 400 (never FastAPI's 422), unknown routes 404, bodies over the limit 413 before they are
+parsed, a missing API key 401.
+"""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from server.http import native_routes, openai_routes, ops_routes
+from server.http.auth import APIKeyMiddleware
+from server.http.responses import api_error_response, error_response
+from server.http.tokenizer_manager import ApiError, TokenizerManager
+
+
+class BodySizeLimit:
+    """Pure-ASGI middleware: 413 when Content-Length, or the bytes actually received, exceed
+    ``max_bytes``. Other ``receive`` events (client disconnects) pass through untouched."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        for k, v in scope["headers"]:
+            if k == b"content-length" and v.isdigit() and int(v) > self.max_bytes:
+                return await error_response(413, f"body over {self.max_bytes} bytes")(
+                    scope, receive, send)
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen
+            event = await receive()
+            if event["type"] == "http.request":
+                seen += len(event.get("body", b""))
+                if seen > self.max_bytes:
+                    raise ApiError(413, f"body over {self.max_bytes} bytes")
+            return event
+
+        return await self.app(scope, limited_receive, send)
+
+
+def create_app(manager: TokenizerManager, *, model_name: str, model_path: str | None,
+               api_key: str | None = None, max_body_bytes: int = 8 << 20,
+               server_args: dict[str, Any] | None = None) -> FastAPI:
+    """Build the app around a TokenizerManager (whose receive loop starts with the app)."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        manager.start()
+        yield
+        await manager.close()
+
+    app = FastAPI(title="sgl-adapters server", lifespan=lifespan)
+    app.state.manager = manager
+    app.state.model_name = model_name
+    app.state.model_path = model_path
+    app.state.server_args = server_args or {}
+    app.state.metrics = ops_routes.ServerMetrics()
+    manager.observers.append(app.state.metrics.observe)
+
+    @app.exception_handler(ApiError)
+    async def on_api_error(request: Request, exc: ApiError):
+        return api_error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, exc: RequestValidationError):
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        return error_response(400, f"{loc or 'body'}: {first.get('msg', 'invalid request')}",
+                              param=loc or None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException):
+        return error_response(exc.status_code, str(exc.detail),
+                              "invalid_request_error" if exc.status_code < 500 else "server_error")
+
+    app.include_router(openai_routes.router)
+    app.include_router(native_routes.router)
+    app.include_router(ops_routes.router)
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    return app

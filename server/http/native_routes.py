@@ -1,0 +1,137 @@
+"""SGLang-style native routes: /generate (text or input_ids, single or batch, streaming with
+cumulative text), /flush_cache, /abort_request. Field names match SGLang's so its clients work.
+
+Response of /generate: ``{"text", "output_ids", "meta_info": {"id", "prompt_tokens",
+"completion_tokens", "cached_tokens", "finish_reason": {"type": stop|length|abort, ...},
+"input_token_logprobs", "output_token_logprobs", "input_top_logprobs", "output_top_logprobs"}}``
+(logprob entries are [logprob, token_id] or, with return_text_in_logprobs, [logprob, token_id,
+text]). ``sampling_params.max_new_tokens = 0`` is a prefill-only request (a cache hint).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from server import protocol as P
+from server.http.responses import SSE_DONE, check_finish, collect, merge, sse
+from server.http.schemas import AbortRequest, GenerateRequest
+from server.http.tokenizer_manager import ApiError, GenerateInput, TokenizerManager
+from server.model.sampling import SamplingParams, SamplingParamsError
+
+router = APIRouter()
+
+
+def _manager(request: Request) -> TokenizerManager:
+    return request.app.state.manager
+
+
+def _inputs(manager: TokenizerManager, body: GenerateRequest) -> tuple[list[GenerateInput], bool]:
+    if (body.text is None) == (body.input_ids is None):
+        raise ApiError(400, "give exactly one of 'text' and 'input_ids'", param="text")
+    if body.image_data is not None:
+        raise ApiError(400, "image_data: this model is text-only", param="image_data")
+    if body.text is not None:
+        single = isinstance(body.text, str)
+        prompts = [manager.encode(t, "text") for t in ([body.text] if single else body.text)]
+    else:
+        single = not body.input_ids or isinstance(body.input_ids[0], int)
+        prompts = [list(body.input_ids)] if single else [list(p) for p in body.input_ids]
+    if not prompts:
+        raise ApiError(400, "the batch is empty", param="text")
+    sp = body.sampling_params
+    sps = sp if isinstance(sp, list) else [sp or {}] * len(prompts)
+    rids = body.rid if isinstance(body.rid, list) else [body.rid] * len(prompts)
+    if len(sps) != len(prompts) or len(rids) != len(prompts):
+        raise ApiError(400, "sampling_params and rid lists must match the batch size",
+                       param="sampling_params")
+    inputs = []
+    for k, (ids, d, rid) in enumerate(zip(prompts, sps, rids)):
+        try:
+            params = SamplingParams.from_dict(d)
+        except SamplingParamsError as exc:
+            raise ApiError(400, f"sampling_params.{exc}", param=exc.param) from exc
+        if params.n != 1:
+            raise ApiError(400, "sampling_params.n > 1 is not supported on /generate; send the "
+                           "prompt several times", param="n")
+        if rid is not None and len(prompts) > 1 and not isinstance(body.rid, list):
+            rid = f"{rid}-{k}"
+        inputs.append(GenerateInput(ids, params, body.return_logprob, body.logprob_start_len,
+                                    body.top_logprobs_num, rid, body.cache_salt))
+    return inputs, single
+
+
+class _Accumulator:
+    """Builds the native response of one request from its outputs."""
+
+    def __init__(self, manager: TokenizerManager, with_text: bool):
+        self.manager, self.with_text = manager, with_text
+        self.ids: list[int] = []
+        self.lists: dict[str, list] = {"output_token_logprobs": [], "output_top_logprobs": [],
+                                       "input_token_logprobs": [], "input_top_logprobs": []}
+        self.last: P.ReqOutput | None = None
+
+    def add(self, out: P.ReqOutput) -> None:
+        self.ids += out.new_token_ids
+        for name, items in self.lists.items():
+            items.extend(getattr(out, name))
+        self.last = out
+
+    def _entry(self, lp, tok):
+        return [lp, tok, self.manager.decode([tok])] if self.with_text else [lp, tok]
+
+    def body(self, return_logprob: bool) -> dict[str, Any]:
+        out = self.last
+        meta: dict[str, Any] = {"id": out.rid, "prompt_tokens": out.prompt_tokens,
+                                "completion_tokens": out.completion_tokens,
+                                "cached_tokens": out.cached_tokens,
+                                "finish_reason": out.finish_reason}
+        if return_logprob:
+            for name, items in self.lists.items():
+                meta[name] = ([[self._entry(lp, t) for lp, t in top] for top in items]
+                              if "top" in name else [self._entry(lp, t) for lp, t in items])
+        return {"text": out.text, "output_ids": list(self.ids), "meta_info": meta}
+
+
+@router.post("/generate")
+async def generate(request: Request, body: GenerateRequest):
+    manager = _manager(request)
+    inputs, single = _inputs(manager, body)
+    for inp in inputs:
+        manager.validate(inp)
+    streams = [manager.generate(inp) for inp in inputs]
+    accs = [_Accumulator(manager, body.return_text_in_logprobs) for _ in inputs]
+    if body.stream:
+        async def events():
+            async for i, out in merge(streams):
+                accs[i].add(out)
+                data = accs[i].body(body.return_logprob)
+                if not single:
+                    data["index"] = i
+                yield sse(data)
+            yield SSE_DONE
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+    results = await collect(request, streams)
+    for acc, outs in zip(accs, results):
+        for out in outs:
+            acc.add(out)
+        check_finish(outs[-1])
+    bodies = [acc.body(body.return_logprob) for acc in accs]
+    return bodies[0] if single else bodies
+
+
+@router.post("/flush_cache")
+async def flush_cache(request: Request):
+    if not await _manager(request).flush_cache():
+        raise ApiError(400, "the cache cannot be flushed while requests are running; retry when "
+                       "idle", param=None)
+    return {"flushed": True}
+
+
+@router.post("/abort_request")
+async def abort_request(request: Request, body: AbortRequest):
+    await _manager(request).abort(body.rid)
+    return {"aborted": body.rid}

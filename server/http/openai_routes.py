@@ -1,0 +1,258 @@
+"""OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions.
+
+Both completion routes support n, stop, seed, temperature, top_p, max_tokens (chat also
+max_completion_tokens), presence/frequency penalties, logit_bias, logprobs, streaming (SSE, with
+a final usage chunk when ``stream_options.include_usage``), ``user``, and the extensions top_k,
+min_p, repetition_penalty, stop_token_ids, ignore_eos and min_tokens. Usage always reports
+``prompt_tokens_details.cached_tokens``. Grammar-constrained fields (response_format, tools,
+regex, json_schema) are refused with a clear 400 until constrained decoding lands.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from server import protocol as P
+from server.http.responses import SSE_DONE, check_finish, collect, merge, openai_finish_reason, sse, usage
+from server.http.schemas import ChatCompletionRequest, CompletionRequest, _OpenAISampling
+from server.http.tokenizer_manager import ApiError, GenerateInput, TokenizerManager
+from server.model.sampling import SamplingParams, SamplingParamsError
+
+router = APIRouter()
+
+
+def _manager(request: Request) -> TokenizerManager:
+    return request.app.state.manager
+
+
+def _refuse_unsupported(body: _OpenAISampling) -> None:
+    for name in ("response_format", "tools", "regex", "json_schema"):
+        if getattr(body, name) is not None:
+            raise ApiError(400, f"'{name}' needs constrained decoding, which this server does not "
+                           "support yet", param=name)
+
+
+def _params(body: _OpenAISampling, max_tokens: int, seed_offset: int = 0) -> SamplingParams:
+    stop = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
+    fields = {
+        "max_new_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p,
+        "top_k": body.top_k, "min_p": body.min_p, "presence_penalty": body.presence_penalty,
+        "frequency_penalty": body.frequency_penalty,
+        "repetition_penalty": body.repetition_penalty, "stop": stop,
+        "stop_token_ids": body.stop_token_ids, "ignore_eos": body.ignore_eos,
+        "min_new_tokens": body.min_tokens,
+        "seed": None if body.seed is None else body.seed + seed_offset,
+        "logit_bias": body.logit_bias,
+    }
+    try:
+        return SamplingParams.from_dict(fields)
+    except SamplingParamsError as exc:
+        param = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}.get(
+            exc.param, exc.param)
+        raise ApiError(400, str(exc).replace(exc.param, param, 1), param=param) from exc
+
+
+def _default_max_tokens(manager: TokenizerManager, prompt_len: int) -> int:
+    return max(manager.info.context_len - prompt_len, 0)
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> dict:
+    name = request.app.state.model_name
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": 0,
+                                        "owned_by": "sgl-adapters",
+                                        "max_model_len": _manager(request).info.context_len}]}
+
+
+# ---------------------------------------------------------------- /v1/completions
+def _prompts(manager: TokenizerManager, prompt: Any) -> list[list[int]]:
+    if isinstance(prompt, str):
+        return [manager.encode(prompt)]
+    if not prompt:
+        raise ApiError(400, "prompt is empty", param="prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]
+    if all(isinstance(p, str) for p in prompt):
+        return [manager.encode(p) for p in prompt]
+    return [list(p) for p in prompt]
+
+
+def _completion_logprobs(manager: TokenizerManager, outs: list[P.ReqOutput], k: int,
+                         echo_ids: list[int] | None) -> dict[str, Any]:
+    pairs = [(lp, t) for o in outs for lp, t in o.output_token_logprobs]
+    tops = [top for o in outs for top in o.output_top_logprobs]
+    if echo_ids is not None:
+        ins = [(lp, t) for o in outs for lp, t in o.input_token_logprobs]
+        in_tops = [top for o in outs for top in o.input_top_logprobs]
+        pairs, tops = ins + pairs, in_tops + tops
+    tokens = [manager.decode([t]) for _, t in pairs]
+    offsets, pos = [], 0
+    for tok in tokens:
+        offsets.append(pos)
+        pos += len(tok)
+    return {"tokens": tokens, "token_logprobs": [lp for lp, _ in pairs],
+            "top_logprobs": [{manager.decode([t]): lp for lp, t in top} for top in tops]
+            if k else None, "text_offset": offsets}
+
+
+@router.post("/v1/completions")
+async def completions(request: Request, body: CompletionRequest):
+    manager = _manager(request)
+    _refuse_unsupported(body)
+    if body.suffix:
+        raise ApiError(400, "'suffix' is not supported", param="suffix")
+    prompts = _prompts(manager, body.prompt)
+    want_lp = body.logprobs is not None
+    inputs = []
+    for ids in prompts:
+        max_tokens = body.max_tokens if body.max_tokens is not None else \
+            _default_max_tokens(manager, len(ids))
+        for j in range(body.n):
+            inputs.append(GenerateInput(
+                ids, _params(body, max_tokens, j), return_logprob=want_lp,
+                logprob_start_len=0 if (want_lp and body.echo) else -1,
+                top_logprobs_num=body.logprobs or 0))
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    model = request.app.state.model_name
+    for inp in inputs:  # every choice is checked before any is sent
+        manager.validate(inp, {"max_new_tokens": "max_tokens", "input_ids": "prompt"})
+    streams = [manager.generate(inp) for inp in inputs]
+
+    def prompt_of(i: int) -> list[int]:
+        return prompts[i // body.n]
+
+    if body.stream:
+        async def events():
+            sent = [""] * len(streams)
+            last: dict[int, P.ReqOutput] = {}
+            for i in range(len(streams) if body.echo else 0):
+                yield sse({"id": rid, "object": "text_completion", "created": created,
+                           "model": model, "choices": [{"index": i, "text": manager.decode(
+                               prompt_of(i)), "logprobs": None, "finish_reason": None}]})
+            async for i, out in merge(streams):
+                delta, sent[i] = out.text[len(sent[i]):], out.text
+                last[i] = out
+                if delta or out.finish_reason:
+                    yield sse({"id": rid, "object": "text_completion", "created": created,
+                               "model": model, "choices": [{
+                                   "index": i, "text": delta, "logprobs": None,
+                                   "finish_reason": openai_finish_reason(out.finish_reason)}]})
+            if body.stream_options and body.stream_options.include_usage:
+                yield sse({"id": rid, "object": "text_completion", "created": created,
+                           "model": model, "choices": [], "usage": _usage(last.values())})
+            yield SSE_DONE
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    results = await collect(request, streams)
+    choices = []
+    for i, outs in enumerate(results):
+        final = outs[-1]
+        check_finish(final)
+        text = final.text
+        if body.echo:
+            text = manager.decode(prompt_of(i)) + text
+        choices.append({"index": i, "text": text, "finish_reason":
+                        openai_finish_reason(final.finish_reason),
+                        "logprobs": _completion_logprobs(manager, outs, body.logprobs or 0,
+                                                         prompt_of(i) if body.echo else None)
+                        if want_lp else None})
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": choices, "usage": _usage([r[-1] for r in results])}
+
+
+def _usage(finals) -> dict[str, Any]:
+    finals = list(finals)
+    return usage(sum(o.prompt_tokens for o in finals), sum(o.completion_tokens for o in finals),
+                 sum(o.cached_tokens for o in finals))
+
+
+# ---------------------------------------------------------------- /v1/chat/completions
+def _messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
+    out = []
+    for i, m in enumerate(body.messages):
+        content = m.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    raise ApiError(400, f"messages[{i}]: content part type {part.type!r} is not "
+                                   "supported by this text-only model",
+                                   param=f"messages[{i}].content")
+                texts.append(part.text)
+            content = "".join(texts)
+        role = "system" if m.role == "developer" else m.role
+        out.append({"role": role, "content": content or ""})
+    return out
+
+
+def _chat_logprobs(manager: TokenizerManager, outs: list[P.ReqOutput]) -> dict[str, Any]:
+    content = []
+    tops = [top for o in outs for top in o.output_top_logprobs]
+    for k, (lp, t) in enumerate(p for o in outs for p in o.output_token_logprobs):
+        tok = manager.decode([t])
+        content.append({"token": tok, "logprob": lp, "bytes": list(tok.encode()),
+                        "top_logprobs": [{"token": manager.decode([tt]), "logprob": tlp,
+                                          "bytes": list(manager.decode([tt]).encode())}
+                                         for tlp, tt in (tops[k] if k < len(tops) else [])]})
+    return {"content": content}
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request, body: ChatCompletionRequest):
+    manager = _manager(request)
+    _refuse_unsupported(body)
+    ids = manager.apply_chat_template(_messages(body))
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
+        else body.max_tokens
+    if max_tokens is None:
+        max_tokens = _default_max_tokens(manager, len(ids))
+    inputs = [GenerateInput(ids, _params(body, max_tokens, j), return_logprob=body.logprobs,
+                            top_logprobs_num=body.top_logprobs or 0) for j in range(body.n)]
+    for inp in inputs:
+        manager.validate(inp, {"max_new_tokens": "max_tokens", "input_ids": "messages"})
+    streams = [manager.generate(inp) for inp in inputs]
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    model = request.app.state.model_name
+
+    def chunk(choices, **extra):
+        return sse({"id": rid, "object": "chat.completion.chunk", "created": created,
+                    "model": model, "choices": choices, **extra})
+
+    if body.stream:
+        async def events():
+            sent = [""] * len(streams)
+            last: dict[int, P.ReqOutput] = {}
+            for i in range(len(streams)):
+                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                              "logprobs": None, "finish_reason": None}])
+            async for i, out in merge(streams):
+                delta, sent[i] = out.text[len(sent[i]):], out.text
+                last[i] = out
+                lp = _chat_logprobs(manager, [out]) if body.logprobs else None
+                if delta or out.finish_reason or lp:
+                    yield chunk([{"index": i, "delta": {"content": delta} if delta else {},
+                                  "logprobs": lp,
+                                  "finish_reason": openai_finish_reason(out.finish_reason)}])
+            if body.stream_options and body.stream_options.include_usage:
+                yield chunk([], usage=_usage(last.values()))
+            yield SSE_DONE
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    results = await collect(request, streams)
+    choices = []
+    for i, outs in enumerate(results):
+        check_finish(outs[-1])
+        choices.append({"index": i, "message": {"role": "assistant", "content": outs[-1].text},
+                        "logprobs": _chat_logprobs(manager, outs) if body.logprobs else None,
+                        "finish_reason": openai_finish_reason(outs[-1].finish_reason)})
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+            "choices": choices, "usage": _usage([r[-1] for r in results])}

@@ -1,0 +1,118 @@
+"""Operations routes: /health (the processes are up), /health_generate (a real 1-token
+generation; 503 while the scheduler is down), /metrics (Prometheus text), /model_info and
+/server_info (each also under its SGLang alias /get_...). None of these needs the API key except
+/model_info and /server_info."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from server.http.responses import error_response
+from server.http.tokenizer_manager import GenerateInput, TokenizerManager
+from server.model.sampling import SamplingParams
+
+router = APIRouter()
+
+_GAUGES = {  # scheduler metric -> help text
+    "running_requests": "requests prefilling or decoding",
+    "waiting_requests": "requests queued in the scheduler",
+    "kv_usage": "share of the KV pool held by requests or locked cache entries",
+    "kv_cached_tokens": "tokens held by the radix cache",
+    "cache_hit_rate": "cached prompt tokens / prompt tokens since start",
+}
+_COUNTERS = {
+    "prompt_tokens": "prompt tokens received", "cached_prompt_tokens": "prompt tokens reused",
+    "generated_tokens": "tokens generated", "evicted_tokens": "cache tokens evicted",
+    "retractions": "requests retracted under memory pressure", "aborts": "requests aborted",
+    "invariant_violations": "KV memory invariant violations (should stay 0)",
+}
+
+
+class ServerMetrics:
+    """Prometheus metrics of one app (its own registry, no process globals)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.gauges = {k: Gauge(f"sgl_{k}", h, registry=self.registry) for k, h in _GAUGES.items()}
+        # Scheduler totals arrive as absolute values: expose them as gauges named *_total.
+        self.totals = {k: Gauge(f"sgl_{k}_total", h, registry=self.registry)
+                       for k, h in _COUNTERS.items()}
+        self.client_aborts = Counter("sgl_client_aborts", "requests aborted by a disconnect",
+                                     registry=self.registry)
+        buckets = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+        self.ttft = Histogram("sgl_time_to_first_token_seconds", "time to first token",
+                              buckets=buckets, registry=self.registry)
+        self.itl = Histogram("sgl_inter_token_latency_seconds", "time between streamed outputs",
+                             buckets=buckets, registry=self.registry)
+
+    def observe(self, event: str, seconds: float) -> None:
+        if event == "ttft":
+            self.ttft.observe(seconds)
+        elif event == "itl":
+            self.itl.observe(seconds)
+        elif event == "abort":
+            self.client_aborts.inc()
+
+
+def _manager(request: Request) -> TokenizerManager:
+    return request.app.state.manager
+
+
+@router.get("/health")
+async def health(request: Request):
+    if not _manager(request).scheduler_alive:
+        return error_response(503, "the scheduler process is not running", "server_error")
+    return {"status": "ok"}
+
+
+@router.get("/health_generate")
+async def health_generate(request: Request):
+    manager = _manager(request)
+    if not manager.scheduler_alive:
+        return error_response(503, "the scheduler process is not running", "server_error")
+    inp = GenerateInput(manager.encode("ping"), SamplingParams(max_new_tokens=1, temperature=0))
+    async for out in manager.generate(inp):
+        if out.finish_reason is not None and out.finish_reason.get("type") == "error":
+            return error_response(503, "generation failed", "server_error")
+    return {"status": "ok"}
+
+
+@router.get("/metrics")
+async def metrics(request: Request):
+    m: ServerMetrics = request.app.state.metrics
+    manager = _manager(request)
+    if manager.scheduler_alive:
+        info = await manager.server_info()
+        for k, g in m.gauges.items():
+            g.set(info.metrics[k])
+        for k, g in m.totals.items():
+            g.set(info.invariant_violations if k == "invariant_violations" else info.metrics[k])
+    return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/model_info")
+@router.get("/get_model_info")
+async def model_info(request: Request):
+    info = _manager(request).info
+    return {"model_path": request.app.state.model_path, "served_model_name":
+            request.app.state.model_name, "context_len": info.context_len,
+            "vocab_size": info.vocab_size, "dtype": info.dtype, "is_generation": True}
+
+
+@router.get("/server_info")
+@router.get("/get_server_info")
+async def server_info(request: Request):
+    manager = _manager(request)
+    info = await manager.server_info()
+    return {"max_total_tokens": manager.info.max_total_tokens, "metrics": info.metrics,
+            "invariant_violations": info.invariant_violations,
+            "invariants_ok": info.invariant_violations == 0, **request.app.state.server_args}

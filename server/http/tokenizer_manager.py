@@ -1,0 +1,230 @@
+"""TokenizerManager: the HTTP process's side of the scheduler connection.
+
+Tokenizes and applies the chat template, validates a request before the scheduler sees it
+(RELIABILITY rule 2: bounds, token ids, context length, fit in the KV pool; every rejection
+answers), sends it over ZeroMQ and streams the scheduler's outputs back to the handler.
+A consumer that stops listening (client disconnect, cancelled task) aborts its request at once.
+
+Errors raised to the HTTP layer are :class:`ApiError` with an HTTP status and an OpenAI error
+``type``/``param``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Sequence
+
+import zmq
+import zmq.asyncio
+
+from server import protocol as P
+from server.model.sampling import SamplingParams, SamplingParamsError
+from server.scheduler.validation import InvalidRequestError, validate_request
+
+log = logging.getLogger("server.tokenizer_manager")
+
+
+class ApiError(Exception):
+    """An error answered to the client: HTTP ``status``, OpenAI ``type``, ``param``, and extra
+    headers (e.g. Retry-After)."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param = status, message, type, param
+        self.headers = headers or {}
+
+
+@dataclass
+class GenerateInput:
+    """One tokenized request. Lengths in tokens."""
+
+    input_ids: list[int]
+    params: SamplingParams
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    rid: str | None = None
+    namespace: str | None = None
+
+
+class TokenizerManager:
+    """Args:
+        tokenizer: the model's transformers tokenizer.
+        info: the scheduler's Ready message (vocab, context and pool sizes).
+        send, recv: zmq.asyncio PUSH (to the scheduler) and PULL (from it) sockets.
+        max_queued_requests: requests in flight beyond which new ones get 503 + Retry-After.
+    """
+
+    def __init__(self, tokenizer: Any, info: P.Ready, send: zmq.asyncio.Socket,
+                 recv: zmq.asyncio.Socket, max_queued_requests: int = 1024):
+        self.tokenizer = tokenizer
+        self.info = info
+        self.send_sock = send
+        self.recv_sock = recv
+        self.max_queued_requests = max_queued_requests
+        self.queues: dict[str, asyncio.Queue] = {}
+        self._replies: dict[type, asyncio.Future] = {}
+        self._reply_lock = asyncio.Lock()
+        self._recv_task: asyncio.Task | None = None
+        self.scheduler_alive = True
+        self.observers: list[Any] = []  # called as obs(event, rid, seconds) for metrics
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        self._recv_task = asyncio.get_running_loop().create_task(self._recv_loop())
+
+    async def close(self) -> None:
+        if self._recv_task is not None:
+            self._recv_task.cancel()
+
+    def fail_all(self, message: str) -> None:
+        """The scheduler is gone: every waiting handler gets a 503 error now."""
+        self.scheduler_alive = False
+        for rid, q in list(self.queues.items()):
+            q.put_nowait(P.ReqError(rid, message, status=503))
+
+    async def _recv_loop(self) -> None:
+        while True:
+            frame = await self.recv_sock.recv()
+            try:
+                msg = P.decode(frame)
+            except P.ProtocolError as exc:
+                log.warning("dropped a bad frame from the scheduler: %s", exc)
+                continue
+            if isinstance(msg, P.BatchOutput):
+                for out in msg.outputs:
+                    q = self.queues.get(out.rid)
+                    if q is not None:
+                        q.put_nowait(out)
+            elif isinstance(msg, P.ReqError):
+                q = self.queues.get(msg.rid)
+                if q is not None:
+                    q.put_nowait(msg)
+            else:
+                fut = self._replies.pop(type(msg), None)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
+
+    # ------------------------------------------------------------------ tokenization
+    def encode(self, text: str, param: str = "prompt") -> list[int]:
+        """Tokenize; text that is not valid Unicode (lone surrogates from JSON escapes such as
+        \\ud800) cannot be encoded as UTF-8 and is a 400 naming ``param``."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ApiError(400, f"{param}: text is not valid Unicode ({exc.reason} at position "
+                           f"{exc.start})", param=param) from exc
+        return self.tokenizer(text)["input_ids"]
+
+    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True
+                            ) -> list[int]:
+        try:
+            text = self.tokenizer.apply_chat_template(
+                list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
+        except Exception as exc:  # a template that rejects the conversation (e.g. roles)
+            raise ApiError(400, f"the chat template rejected these messages: {exc}",
+                           param="messages") from exc
+        return self.encode(text, param="messages")
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    # ------------------------------------------------------------------ requests
+    def validate(self, inp: GenerateInput, rename: dict[str, str] | None = None) -> None:
+        """Raise ApiError(400) if the request can never run. ``rename`` maps engine field
+        names to the API's own (e.g. max_new_tokens -> max_tokens) in the error."""
+        try:
+            validate_request(inp.input_ids, inp.params, vocab_size=self.info.vocab_size,
+                             context_len=self.info.context_len,
+                             kv_capacity=self.info.max_total_tokens)
+        except (InvalidRequestError, SamplingParamsError) as exc:
+            message, param = str(exc), exc.param
+            for ours, theirs in (rename or {}).items():
+                message = message.replace(ours, theirs)
+                param = theirs if param == ours else param
+            raise ApiError(400, message, param=param) from exc
+        if inp.logprob_start_len >= len(inp.input_ids):
+            raise ApiError(400, f"logprob_start_len {inp.logprob_start_len} is not below the "
+                           f"prompt length {len(inp.input_ids)}", param="logprob_start_len")
+
+    async def generate(self, inp: GenerateInput) -> AsyncIterator[P.ReqOutput]:
+        """Send one request and yield its outputs until it finishes. Raises ApiError.
+
+        Cancelling the consumer (a client disconnect) aborts the request in the scheduler.
+        """
+        if not self.scheduler_alive:
+            raise ApiError(503, "the scheduler process is not running", type="server_error")
+        self.validate(inp)
+        if len(self.queues) >= self.max_queued_requests:
+            raise ApiError(503, f"too many requests in flight ({len(self.queues)})",
+                           type="server_error", headers={"Retry-After": "1"})
+        rid = inp.rid or uuid.uuid4().hex
+        if rid in self.queues:
+            raise ApiError(400, f"duplicate request id {rid!r}", param="rid")
+        q: asyncio.Queue = asyncio.Queue()
+        self.queues[rid] = q
+        finished = False
+        start = time.perf_counter()
+        try:
+            await self.send_sock.send(P.encode(P.GenerateReq(
+                rid=rid, input_ids=inp.input_ids, sampling=_params_dict(inp.params),
+                return_logprob=inp.return_logprob, logprob_start_len=inp.logprob_start_len,
+                top_logprobs_num=inp.top_logprobs_num, namespace=inp.namespace)))
+            first = True
+            while True:
+                item = await q.get()
+                if isinstance(item, P.ReqError):
+                    finished = True
+                    raise ApiError(item.status, item.message, param=item.param,
+                                   type="invalid_request_error" if item.status < 500
+                                   else "server_error")
+                now = time.perf_counter()
+                self._observe("ttft" if first else "itl", now - start)
+                first, start = False, now
+                if item.finish_reason is not None:
+                    finished = True
+                yield item
+                if finished:
+                    return
+        finally:
+            self.queues.pop(rid, None)
+            if not finished and self.scheduler_alive:
+                await self.send_sock.send(P.encode(P.AbortReq(rid)))
+                self._observe("abort", 0.0)
+
+    def _observe(self, event: str, seconds: float) -> None:
+        for obs in self.observers:
+            obs(event, seconds)
+
+    async def abort(self, rid: str) -> None:
+        await self.send_sock.send(P.encode(P.AbortReq(rid, "aborted by /abort_request")))
+
+    async def _ask(self, msg: P.Message, reply: type, timeout: float = 10.0):
+        async with self._reply_lock:
+            fut = asyncio.get_running_loop().create_future()
+            self._replies[reply] = fut
+            await self.send_sock.send(P.encode(msg))
+            try:
+                return await asyncio.wait_for(fut, timeout)
+            except asyncio.TimeoutError as exc:
+                raise ApiError(503, "the scheduler did not answer", type="server_error") from exc
+
+    async def flush_cache(self) -> bool:
+        return (await self._ask(P.FlushCacheReq(), P.FlushCacheReply)).ok
+
+    async def server_info(self) -> P.ServerInfoReply:
+        return await self._ask(P.ServerInfoReq(), P.ServerInfoReply)
+
+
+def _params_dict(params: SamplingParams) -> dict[str, Any]:
+    import dataclasses
+
+    d = dataclasses.asdict(params)
+    d["logit_bias"] = {str(k): v for k, v in params.logit_bias}
+    d["stop"], d["stop_token_ids"] = list(params.stop), list(params.stop_token_ids)
+    return d

@@ -1,0 +1,120 @@
+"""Run the server: spawn the scheduler process, wait for its readiness, serve HTTP, watch it.
+
+* The scheduler (and model) run in a child process (``spawn``), connected by two ZeroMQ PUSH/
+  PULL sockets over ``ipc://`` paths in a private (0700) temporary directory.
+* If the child dies, in-flight requests get a 503 at once, /health turns 503, and the server
+  exits non-zero.
+* On SIGTERM uvicorn stops accepting connections and lets in-flight requests drain for up to
+  ``shutdown_timeout`` seconds; then the child is terminated and reaped, and the exit code is 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import tempfile
+import time
+
+import uvicorn
+import zmq
+import zmq.asyncio
+
+from server import protocol as P
+from server.config import EngineConfig, HTTPConfig
+from server.http.app import create_app
+from server.http.tokenizer_manager import TokenizerManager
+from server.model.loader import load_model
+from server.scheduler.loop import run_scheduler_process
+
+log = logging.getLogger("server.launch")
+
+
+class SchedulerDiedError(RuntimeError):
+    pass
+
+
+async def _wait_ready(recv: zmq.asyncio.Socket, proc, timeout: float) -> P.Ready:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if await recv.poll(200):
+            msg = P.decode(await recv.recv())
+            if isinstance(msg, P.Ready):
+                return msg
+        if not proc.is_alive():
+            raise SchedulerDiedError(f"the scheduler process exited ({proc.exitcode}) while "
+                                     "loading the model; see its log above")
+    raise SchedulerDiedError(f"the scheduler process was not ready within {timeout:.0f} s")
+
+
+async def serve(engine_config: EngineConfig, http: HTTPConfig) -> int:
+    """Run until shutdown; returns the process exit code."""
+    ipc_dir = tempfile.mkdtemp(prefix="sgl-adapters-")
+    os.chmod(ipc_dir, 0o700)
+    to_sched, from_sched = f"ipc://{ipc_dir}/to_scheduler", f"ipc://{ipc_dir}/from_scheduler"
+    ctx = zmq.asyncio.Context()
+    send, recv = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    send.bind(to_sched)
+    recv.bind(from_sched)
+    proc = mp.get_context("spawn").Process(
+        target=run_scheduler_process, args=(engine_config, to_sched, from_sched, http.log_level),
+        name="sgl-scheduler", daemon=True)
+    proc.start()
+    exit_code = 0
+    try:
+        loaded, ready = await asyncio.gather(
+            asyncio.to_thread(load_model, engine_config.model.path),
+            _wait_ready(recv, proc, http.startup_timeout))
+        manager = TokenizerManager(loaded.tokenizer, ready, send, recv,
+                                   http.max_queued_requests)
+        app = create_app(manager, model_name=engine_config.model.served_model_name
+                         or ready.model_name, model_path=loaded.path, api_key=http.api_key,
+                         max_body_bytes=http.max_body_bytes,
+                         server_args={"schedule_policy": engine_config.scheduler.schedule_policy,
+                                      "disable_radix_cache":
+                                          engine_config.cache.disable_radix_cache,
+                                      "chunked_prefill_size":
+                                          engine_config.scheduler.chunked_prefill_size})
+        server = uvicorn.Server(uvicorn.Config(
+            app, host=http.host, port=http.port, log_level=http.log_level,
+            timeout_graceful_shutdown=http.shutdown_timeout, access_log=False))
+        died = asyncio.Event()
+
+        async def watch() -> None:
+            while not server.started:
+                await asyncio.sleep(0.05)
+            print(f"sgl-adapters server ready: http://{http.host}:{http.port} "
+                  f"(model {ready.model_name}, {ready.dtype}, KV pool {ready.max_total_tokens} "
+                  f"tokens)", flush=True)
+            while proc.is_alive():
+                await asyncio.sleep(0.2)
+            log.error("the scheduler process died (exit code %s); shutting down", proc.exitcode)
+            manager.fail_all("the scheduler process died")
+            died.set()
+            server.should_exit = True
+
+        watcher = asyncio.create_task(watch())
+        # uvicorn handles SIGTERM/SIGINT (graceful drain), then restores the previous handlers
+        # and re-raises the signal. With the default handlers that would kill this process
+        # before the child is reaped; no-op handlers let the shutdown below run.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: None)
+        await server.serve()
+        watcher.cancel()
+        exit_code = 1 if died.is_set() else 0
+    except SchedulerDiedError as exc:
+        log.error("%s", exc)
+        exit_code = 1
+    finally:
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        ctx.destroy(linger=0)
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+    return exit_code

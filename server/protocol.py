@@ -1,0 +1,129 @@
+"""Every message that crosses the process boundary between the HTTP process (tokenizer manager)
+and the scheduler process, as plain typed msgspec structs encoded with msgpack — never pickle,
+so garbage on the socket is a decode error, not code execution.
+
+Each frame is an :class:`Envelope` carrying the protocol version; a frame with another version
+or an unknown message type is rejected by :func:`decode` with :class:`ProtocolError`.
+
+Directions:
+  * to the scheduler: GenerateReq, AbortReq, FlushCacheReq, ServerInfoReq
+  * from the scheduler: Ready, BatchOutput (token deltas and finishes), ReqError,
+    FlushCacheReply, ServerInfoReply
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+
+class ProtocolError(ValueError):
+    """A frame that is not a valid message of this protocol version."""
+
+
+# ---------------------------------------------------------------- to the scheduler
+class GenerateReq(msgspec.Struct, tag=True):
+    """A tokenized, validated request. ``sampling`` holds SamplingParams fields by name."""
+
+    rid: str
+    input_ids: list[int]
+    sampling: dict[str, Any]
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    namespace: str | None = None
+
+
+class AbortReq(msgspec.Struct, tag=True):
+    rid: str
+    message: str = "aborted by client"
+
+
+class FlushCacheReq(msgspec.Struct, tag=True):
+    pass
+
+
+class ServerInfoReq(msgspec.Struct, tag=True):
+    pass
+
+
+# ---------------------------------------------------------------- from the scheduler
+class Ready(msgspec.Struct, tag=True):
+    """Sent once the model is loaded. Sizes in tokens."""
+
+    model_name: str
+    vocab_size: int
+    context_len: int
+    max_total_tokens: int
+    dtype: str
+
+
+class ReqOutput(msgspec.Struct):
+    """One request's progress in one step. ``text`` is cumulative (stream-safe: never longer
+    than what will finally be returned). Logprob lists hold only this step's new entries as
+    [logprob, token_id] pairs (logprob None for position 0 of the prompt)."""
+
+    rid: str
+    new_token_ids: list[int]
+    text: str
+    finish_reason: dict[str, Any] | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    output_token_logprobs: list[tuple[float, int]] = []
+    output_top_logprobs: list[list[tuple[float, int]]] = []
+    input_token_logprobs: list[tuple[float | None, int]] = []
+    input_top_logprobs: list[list[tuple[float, int]]] = []
+
+
+class BatchOutput(msgspec.Struct, tag=True):
+    outputs: list[ReqOutput]
+
+
+class ReqError(msgspec.Struct, tag=True):
+    """The scheduler refused or failed a request; ``status`` is the HTTP status to answer."""
+
+    rid: str
+    message: str
+    param: str | None = None
+    status: int = 400
+
+
+class FlushCacheReply(msgspec.Struct, tag=True):
+    ok: bool
+
+
+class ServerInfoReply(msgspec.Struct, tag=True):
+    metrics: dict[str, float]
+    invariant_violations: int
+
+
+Message = Union[GenerateReq, AbortReq, FlushCacheReq, ServerInfoReq, Ready, BatchOutput,
+                ReqError, FlushCacheReply, ServerInfoReply]
+
+
+class Envelope(msgspec.Struct):
+    v: int
+    msg: Message
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Envelope)
+
+
+def encode(msg: Message) -> bytes:
+    return _encoder.encode(Envelope(PROTOCOL_VERSION, msg))
+
+
+def decode(frame: bytes) -> Message:
+    """Decode one frame. Raises ProtocolError for garbage, unknown types or another version."""
+    try:
+        env = _decoder.decode(frame)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"undecodable frame: {exc}") from exc
+    if env.v != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {env.v}, expected {PROTOCOL_VERSION}")
+    return env.msg

@@ -1,0 +1,179 @@
+"""The scheduler process: receive -> step -> forward -> update -> send, forever.
+
+It owns the model (through an in-process :class:`server.engine.Engine`) and talks to the HTTP
+process over two ZeroMQ PUSH/PULL sockets carrying :mod:`server.protocol` messages.
+
+Isolation: a request the scheduler refuses gets a ReqError; a failure while running a batch ends
+only that batch's requests (finish reason "error" with the message) and the loop goes on; an
+undecodable frame is logged and dropped. Invariant violations are logged and counted (reported
+in ServerInfoReply), never fatal.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import zmq
+
+from server import protocol as P
+from server.config import EngineConfig
+from server.engine import Engine
+from server.model.sampling import SamplingParams, SamplingParamsError
+from server.scheduler.outputs import TokenDelta
+from server.scheduler.request import LogprobOptions, Req
+from server.scheduler.validation import InvalidRequestError
+
+log = logging.getLogger("server.scheduler")
+
+IDLE_POLL_MS = 50
+INVARIANT_CHECK_EVERY = 64  # steps
+
+
+class _Sent:
+    """How many logprob entries of a request were already sent."""
+
+    __slots__ = ("out", "out_top", "inp", "inp_top")
+
+    def __init__(self) -> None:
+        self.out = self.out_top = self.inp = self.inp_top = 0
+
+
+class SchedulerLoop:
+    """Args: engine; recv (PULL) and send (PUSH) sockets, already connected."""
+
+    def __init__(self, engine: Engine, recv: zmq.Socket, send: zmq.Socket):
+        self.engine = engine
+        self.recv = recv
+        self.send = send
+        self.live: dict[str, tuple[Req, _Sent]] = {}
+        self.invariant_violations = 0
+        self.steps = 0
+
+    # ------------------------------------------------------------------ messages
+    def _handle(self, msg: P.Message) -> None:
+        sched = self.engine.scheduler
+        if isinstance(msg, P.GenerateReq):
+            self._add(msg)
+        elif isinstance(msg, P.AbortReq):
+            delta = sched.abort(msg.rid, msg.message)
+            if delta is not None:
+                self._send_outputs([delta])
+        elif isinstance(msg, P.FlushCacheReq):
+            self.send.send(P.encode(P.FlushCacheReply(ok=sched.flush_cache())))
+        elif isinstance(msg, P.ServerInfoReq):
+            self._check_invariants()
+            self.send.send(P.encode(P.ServerInfoReply(
+                metrics=sched.metrics(), invariant_violations=self.invariant_violations)))
+        else:
+            log.warning("unexpected message %s dropped", type(msg).__name__)
+
+    def _add(self, msg: P.GenerateReq) -> None:
+        try:
+            params = SamplingParams.from_dict(msg.sampling)
+            req = self.engine.make_request(
+                msg.input_ids, params, LogprobOptions(msg.return_logprob, msg.logprob_start_len,
+                                                      msg.top_logprobs_num),
+                rid=msg.rid, cache_salt=msg.namespace)
+            self.engine.scheduler.add_request(req)
+        except (InvalidRequestError, SamplingParamsError) as exc:
+            self.send.send(P.encode(P.ReqError(msg.rid, str(exc), getattr(exc, "param", None))))
+            return
+        self.live[msg.rid] = (req, _Sent())
+
+    def _drain(self, block: bool) -> None:
+        if block and not self.recv.poll(IDLE_POLL_MS):
+            return
+        while True:
+            try:
+                frame = self.recv.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = P.decode(frame)
+            except P.ProtocolError as exc:
+                log.warning("dropped a bad frame: %s", exc)
+                continue
+            self._handle(msg)
+
+    # ------------------------------------------------------------------ outputs
+    def _send_outputs(self, deltas: list[TokenDelta]) -> None:
+        outs = []
+        for d in deltas:
+            entry = self.live.get(d.rid)
+            if entry is None:
+                continue
+            req, sent = entry
+            out = P.ReqOutput(
+                rid=d.rid, new_token_ids=d.new_token_ids, text=d.text,
+                finish_reason=d.finish_reason.to_dict() if d.finish_reason else None,
+                prompt_tokens=len(req.input_ids), completion_tokens=len(req.output_ids),
+                cached_tokens=req.cached_tokens,
+                output_token_logprobs=req.output_token_logprobs[sent.out:],
+                output_top_logprobs=req.output_top_logprobs[sent.out_top:],
+                input_token_logprobs=req.input_token_logprobs[sent.inp:],
+                input_top_logprobs=req.input_top_logprobs[sent.inp_top:])
+            sent.out, sent.out_top = len(req.output_token_logprobs), len(req.output_top_logprobs)
+            sent.inp, sent.inp_top = len(req.input_token_logprobs), len(req.input_top_logprobs)
+            if d.finish_reason is not None:
+                del self.live[d.rid]
+            outs.append(out)
+        if outs:
+            self.send.send(P.encode(P.BatchOutput(outs)))
+
+    def _check_invariants(self) -> None:
+        try:
+            self.engine.scheduler.check_invariants()
+        except AssertionError as exc:
+            self.invariant_violations += 1
+            log.error("KV invariant violated: %s", exc)
+
+    # ------------------------------------------------------------------ the loop
+    def run_once(self) -> None:
+        sched = self.engine.scheduler
+        self._drain(block=not sched.has_work)
+        if not sched.has_work:
+            return
+        batch = sched.step()
+        if batch is None:
+            return
+        try:
+            deltas = sched.update(batch, self.engine.runner.forward(batch))
+        except Exception as exc:  # noqa: BLE001 - isolate: fail this batch, keep serving
+            log.exception("batch failed; its requests end with an error")
+            deltas = sched.fail_batch(batch, f"internal error: {type(exc).__name__}: {exc}")
+        self._send_outputs(deltas)
+        self.steps += 1
+        if self.steps % INVARIANT_CHECK_EVERY == 0 or not sched.has_work:
+            self._check_invariants()
+
+    def serve_forever(self) -> None:
+        """Loop until the parent (HTTP) process is gone: a SIGKILLed server must not leave an
+        orphaned scheduler holding the model in memory."""
+        parent = os.getppid()
+        while os.getppid() == parent:
+            self.run_once()
+        log.error("the HTTP process is gone; the scheduler exits")
+
+
+def run_scheduler_process(config: EngineConfig, to_scheduler: str, from_scheduler: str,
+                          log_level: str = "info") -> None:
+    """Entry point of the child process: load the model, announce Ready, serve forever."""
+    logging.basicConfig(level=log_level.upper(),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    ctx = zmq.Context()
+    recv = ctx.socket(zmq.PULL)
+    recv.connect(to_scheduler)
+    send = ctx.socket(zmq.PUSH)
+    send.connect(from_scheduler)
+    start = time.perf_counter()
+    engine = Engine(config=config)
+    log.info("model %s loaded in %.1f s (%s, KV pool %d tokens)", engine.model_name,
+             time.perf_counter() - start, engine.config.model.dtype,
+             engine.config.cache.max_total_tokens)
+    send.send(P.encode(P.Ready(
+        model_name=engine.model_name, vocab_size=engine.arch.vocab_size,
+        context_len=engine.context_len, max_total_tokens=engine.config.cache.max_total_tokens,
+        dtype=engine.config.model.dtype)))
+    SchedulerLoop(engine, recv, send).serve_forever()

@@ -1,0 +1,98 @@
+"""The scheduler process loop with a real tiny engine over in-process ZeroMQ sockets."""
+
+from __future__ import annotations
+
+import pytest
+import zmq
+
+from server import protocol as P
+from server.engine import Engine
+from server.scheduler.loop import SchedulerLoop
+
+
+@pytest.fixture
+def loop(make_tiny_model):
+    path, _ = make_tiny_model("llama")
+    engine = Engine(path, dtype="float32", context_length=512, max_total_tokens=2048)
+    ctx = zmq.Context()
+    to_loop, from_loop = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    to_loop.bind("inproc://to")
+    from_loop.bind("inproc://from")
+    recv, send = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    recv.connect("inproc://to")
+    send.connect("inproc://from")
+    yield SchedulerLoop(engine, recv, send), to_loop, from_loop
+    ctx.destroy(linger=0)
+
+
+def run_until(loop_, from_loop, pred, steps=500):
+    """Run the loop until ``pred(messages)`` holds; returns the messages received."""
+    got = []
+    for _ in range(steps):
+        loop_.run_once()
+        while from_loop.poll(0):
+            got.append(P.decode(from_loop.recv()))
+        if pred(got):
+            return got
+    raise AssertionError(f"condition not reached; got {got}")
+
+
+def finished(rid):
+    return lambda msgs: any(isinstance(m, P.BatchOutput) and any(
+        o.rid == rid and o.finish_reason for o in m.outputs) for m in msgs)
+
+
+def test_garbage_is_dropped_and_serving_goes_on(loop):
+    lp, to_loop, from_loop = loop
+    to_loop.send(b"\x93garbage")
+    to_loop.send(P.encode(P.GenerateReq("ok", [5, 6, 7], {"max_new_tokens": 3,
+                                                          "temperature": 0})))
+    msgs = run_until(lp, from_loop, finished("ok"))
+    outs = [o for m in msgs if isinstance(m, P.BatchOutput) for o in m.outputs]
+    assert sum(len(o.new_token_ids) for o in outs) == 3
+    assert outs[-1].finish_reason == {"type": "length"} and outs[-1].prompt_tokens == 3
+
+
+def test_refused_request_gets_an_error_and_aborts_end_requests(loop):
+    lp, to_loop, from_loop = loop
+    to_loop.send(P.encode(P.GenerateReq("bad", [5], {"temperature": -1})))
+    msgs = run_until(lp, from_loop, lambda ms: any(isinstance(m, P.ReqError) for m in ms))
+    err = next(m for m in msgs if isinstance(m, P.ReqError))
+    assert err.rid == "bad" and err.param == "temperature" and err.status == 400
+    to_loop.send(P.encode(P.GenerateReq("long", [5, 6], {"max_new_tokens": 400,
+                                                         "ignore_eos": True})))
+    run_until(lp, from_loop, lambda ms: lp.engine.scheduler.running)
+    to_loop.send(P.encode(P.AbortReq("long")))
+    msgs = run_until(lp, from_loop, finished("long"))
+    last = [o for m in msgs if isinstance(m, P.BatchOutput) for o in m.outputs][-1]
+    assert last.finish_reason["type"] == "abort"
+    to_loop.send(P.encode(P.ServerInfoReq()))
+    info = run_until(lp, from_loop, lambda ms: any(isinstance(m, P.ServerInfoReply) for m in ms))
+    reply = next(m for m in info if isinstance(m, P.ServerInfoReply))
+    assert reply.invariant_violations == 0 and reply.metrics["kv_usage"] == 0.0
+
+
+def test_a_failing_batch_ends_only_its_requests(loop, monkeypatch):
+    """A forward pass that raises (a fault we cannot cause otherwise) ends that batch's
+    requests with finish reason "error"; the loop keeps serving later requests."""
+    lp, to_loop, from_loop = loop
+    real_forward = lp.engine.runner.forward
+    calls = {"n": 0}
+
+    def flaky(batch):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("simulated kernel failure")
+        return real_forward(batch)
+
+    monkeypatch.setattr(lp.engine.runner, "forward", flaky)
+    to_loop.send(P.encode(P.GenerateReq("doomed", [5, 6], {"max_new_tokens": 4})))
+    msgs = run_until(lp, from_loop, finished("doomed"))
+    last = [o for m in msgs if isinstance(m, P.BatchOutput) for o in m.outputs][-1]
+    assert last.finish_reason["type"] == "error" and "simulated" in last.finish_reason["message"]
+    to_loop.send(P.encode(P.GenerateReq("fine", [5, 6], {"max_new_tokens": 4})))
+    msgs = run_until(lp, from_loop, finished("fine"))
+    last = [o for m in msgs if isinstance(m, P.BatchOutput) for o in m.outputs][-1]
+    assert last.finish_reason["type"] == "length"
+    lp.engine.scheduler.check_invariants()
+    assert lp.invariant_violations == 0

@@ -1,0 +1,175 @@
+"""Every applicable row of RELIABILITY.md's bad-input table: a clear 4xx with an OpenAI-style
+error body, and afterwards the server still answers /health_generate and its KV invariants hold
+(checked by the ``healthy`` fixture after each case)."""
+
+from __future__ import annotations
+
+import pytest
+
+CHAT = "/v1/chat/completions"
+CMPL = "/v1/completions"
+GEN = "/generate"
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def check_error(resp, status, param=None, contains=None):
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert param in (err["param"] or "") or param in err["message"], err
+    if contains is not None:
+        assert contains in err["message"], err
+
+
+@pytest.mark.parametrize("content, ctype", [
+    (b"{not json", "application/json"),
+    (b"\xff\xfe\x00garbage", "application/json"),  # invalid UTF-8
+    (b'{"messages": [{"role": "user", "content": "hi"}]}', "text/plain"),
+])
+def test_body_not_json_or_wrong_type(healthy, content, ctype):
+    with healthy.client() as c:
+        resp = c.post(CHAT, content=content, headers={"content-type": ctype})
+    assert resp.status_code in (400, 415), resp.text
+    assert "error" in resp.json()
+
+
+def test_body_over_the_size_limit_is_413(healthy):
+    with healthy.client() as c:
+        resp = c.post(CHAT, json={"messages": [{"role": "user", "content": "x" * (9 << 20)}]})
+    check_error(resp, 413)
+
+
+def test_too_many_messages(healthy):
+    with healthy.client() as c:
+        resp = c.post(CHAT, json={"messages": MSG * 1025})
+    check_error(resp, 400, "messages")
+
+
+@pytest.mark.parametrize("escaped", [r"a\ud800b", r"nul\u0000byte", r"ctrl\u0001\u001b[31m"])
+def test_odd_characters_do_not_crash(healthy, escaped):
+    """Lone surrogates, NUL and control characters as a client's JSON escapes them."""
+    body = '{"prompt": "%s", "max_tokens": 2}' % escaped
+    with healthy.client() as c:
+        resp = c.post(CMPL, content=body.encode(), headers={"content-type": "application/json"})
+    assert resp.status_code in (200, 400), resp.text
+    if resp.status_code == 400:
+        assert resp.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("path, body, param", [
+    (CMPL, {"prompt": ""}, "prompt"),
+    (CMPL, {"prompt": []}, "prompt"),
+    (CHAT, {"messages": []}, "messages"),
+    (CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, "role"),
+    (CHAT, {"messages": [{"role": "user", "content": 5}]}, "content"),
+    (CHAT, {"messages": "hello"}, "messages"),
+    (GEN, {"text": ""}, "input_ids"),
+    (GEN, {}, "text"),
+    (GEN, {"text": "a", "input_ids": [1]}, "text"),
+])
+def test_empty_or_mistyped_fields(healthy, path, body, param):
+    with healthy.client() as c:
+        check_error(c.post(path, json=body), 400, param)
+
+
+@pytest.mark.parametrize("ids", [[-1, 5], [10**9], [1.5, 2], ["a"]])
+def test_bad_input_ids(healthy, ids):
+    with healthy.client() as c:
+        check_error(c.post(GEN, json={"input_ids": ids}), 400)
+        if ids != ["a"]:  # for /v1/completions ["a"] is a valid batch of one text prompt
+            check_error(c.post(CMPL, json={"prompt": ids}), 400)
+
+
+def test_prompt_over_the_context_reports_both_numbers(healthy):
+    with healthy.client() as c:
+        resp = c.post(GEN, json={"input_ids": [5] * 500, "sampling_params": {
+            "max_new_tokens": 20}})
+        check_error(resp, 400, "max_new_tokens", "512")
+        assert "500" in resp.json()["error"]["message"]
+        check_error(c.post(CMPL, json={"prompt": [5] * 600}), 400)
+
+
+def test_prompt_larger_than_the_kv_pool(make_tiny_model):
+    from tests.server.conftest import ServerProcess
+
+    path, _ = make_tiny_model("llama")
+    server = ServerProcess("--model", path, "--dtype", "float32", "--max-total-tokens", "64",
+                           "--context-length", "512")
+    try:
+        with server.client() as c:
+            resp = c.post(GEN, json={"input_ids": [5] * 100, "sampling_params": {
+                "max_new_tokens": 4}})
+            check_error(resp, 400, None, "pool")
+            assert c.get("/health_generate").status_code == 200
+    finally:
+        assert server.stop() == 0
+
+
+@pytest.mark.parametrize("value", [-1, 10**9, 1.5, "ten"])
+def test_bad_max_tokens(healthy, value):
+    with healthy.client() as c:
+        check_error(c.post(CHAT, json={"messages": MSG, "max_tokens": value}), 400, "max_tokens")
+
+
+def test_max_tokens_zero_is_a_defined_empty_response(healthy):
+    with healthy.client() as c:
+        r = c.post(CMPL, json={"prompt": "x y z", "max_tokens": 0}).json()
+    assert r["choices"][0]["text"] == "" and r["usage"]["completion_tokens"] == 0
+
+
+@pytest.mark.parametrize("field, value", [
+    ("temperature", -0.5), ("temperature", "NaN"), ("top_p", 0), ("top_p", 1.5),
+    ("top_k", -2), ("min_p", 1.5), ("seed", 2**64), ("n", 0), ("n", 1000),
+    ("presence_penalty", 5), ("logit_bias", {"x": 1}), ("top_logprobs", 50),
+    ("stop", ["s"] * 17), ("stop", ["x" * 300]),
+])
+def test_bad_sampling_values(healthy, field, value):
+    body = {"messages": MSG, field: value}
+    if field == "top_logprobs":
+        body["logprobs"] = True
+    with healthy.client() as c:
+        if value == "NaN":
+            resp = c.post(CHAT, content=f'{{"messages": {MSG!r}, "temperature": NaN}}'
+                          .replace("'", '"'), headers={"content-type": "application/json"})
+        else:
+            resp = c.post(CHAT, json=body)
+    check_error(resp, 400)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]),
+    ("regex", "[0-9]+"), ("json_schema", {"type": "object"}),
+])
+def test_constraints_are_refused_clearly_until_supported(healthy, field, value):
+    with healthy.client() as c:
+        check_error(c.post(CHAT, json={"messages": MSG, field: value}), 400, field)
+
+
+def test_bad_native_sampling_params(healthy):
+    with healthy.client() as c:
+        check_error(c.post(GEN, json={"text": "x", "sampling_params": {"temperature": -1}}),
+                    400, "temperature")
+        check_error(c.post(GEN, json={"text": "x", "sampling_params": {"bogus": 1}}), 400)
+        check_error(c.post(GEN, json={"text": "x", "image_data": "abc"}), 400, "image_data")
+
+
+def test_duplicate_request_id_rejected(healthy):
+    import threading
+
+    with healthy.client() as c:
+        slow = {"text": "hold", "rid": "dup-1", "sampling_params": {
+            "max_new_tokens": 200, "ignore_eos": True}}
+        t = threading.Thread(target=lambda: healthy.client().post(GEN, json=slow))
+        t.start()
+        import time
+
+        time.sleep(0.3)
+        resp = c.post(GEN, json={"text": "again", "rid": "dup-1"})
+        t.join()
+    check_error(resp, 400, "rid")
+
+
+def test_unknown_route_is_openai_style_404(healthy):
+    with healthy.client() as c:
+        check_error(c.get("/v1/nope"), 404)

@@ -1,0 +1,81 @@
+"""Process faults (RELIABILITY): the scheduler process killed mid-flight, and SIGTERM with
+streams in flight. Each test owns its server."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.server.conftest import ServerProcess
+
+
+@pytest.fixture
+def server(make_tiny_model):
+    path, _ = make_tiny_model("llama")
+    s = ServerProcess("--model", path, "--dtype", "float32", "--max-total-tokens", "16384",
+                      "--context-length", "512", "--shutdown-timeout", "60",
+                      "--max-running-requests", "4")  # streams queue up: slow enough to interrupt
+    yield s
+    s.stop(signal.SIGKILL)
+
+
+def _stream(url: str, results: list, i: int) -> None:
+    body = {"input_ids": [5 + i, 6, 7], "stream": True,
+            "sampling_params": {"max_new_tokens": 500, "temperature": 0, "ignore_eos": True}}
+    try:
+        with httpx.Client(base_url=url, timeout=120) as c:
+            with c.stream("POST", "/generate", json=body) as resp:
+                status, last = resp.status_code, None
+                for line in resp.iter_lines():
+                    if line.startswith("data: {"):
+                        last = json.loads(line[6:])
+                results.append((status, last, time.monotonic()))
+    except httpx.HTTPError as exc:
+        results.append((None, repr(exc), time.monotonic()))
+
+
+def _start_streams(url, n):
+    results: list = []
+    threads = [threading.Thread(target=_stream, args=(url, results, i)) for i in range(n)]
+    for t in threads:
+        t.start()
+    return results, threads
+
+
+def test_scheduler_killed_fails_requests_and_exits_nonzero(server):
+    results, threads = _start_streams(server.url, 16)
+    time.sleep(0.5)
+    killed_at = time.monotonic()
+    os.kill(server.scheduler_pid(), signal.SIGKILL)
+    for t in threads:
+        t.join(30)
+    assert len(results) == 16
+    unfinished = [r for r in results if not (r[1] and isinstance(r[1], dict)
+                                             and r[1]["meta_info"]["finish_reason"])]
+    assert unfinished, "every stream finished before the kill; make them longer"
+    assert all(r[2] - killed_at < 5 for r in results)  # nobody hangs
+    assert server.proc.wait(30) != 0
+
+
+def test_sigterm_drains_in_flight_streams_then_exits_zero(server):
+    results, threads = _start_streams(server.url, 24)
+    time.sleep(0.5)
+    server.proc.send_signal(signal.SIGTERM)
+    sent_at = time.monotonic()
+    for t in threads:
+        t.join(90)
+    assert len(results) == 24
+    finished = [r for r in results if r[0] == 200 and isinstance(r[1], dict)
+                and r[1]["meta_info"]["finish_reason"] == {"type": "length"}]
+    assert len(finished) == 24, results[:3]
+    assert any(r[2] > sent_at + 0.2 for r in results), "streams ended before SIGTERM mattered"
+    with pytest.raises(httpx.HTTPError):  # no new requests are accepted while draining/after
+        httpx.get(server.url + "/health", timeout=2).raise_for_status()
+    assert server.proc.wait(60) == 0
+    assert "scheduler" not in os.popen(f"pgrep -P {server.proc.pid} -a").read()

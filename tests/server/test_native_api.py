@@ -1,0 +1,102 @@
+"""The SGLang-style native API through httpx: /generate (single, batch, streaming, logprobs,
+prefill-only), /model_info, /server_info, /flush_cache, /abort_request, /metrics."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+
+@pytest.fixture
+def c(healthy):
+    with healthy.client() as client:
+        yield client
+
+
+def sse_events(response) -> list:
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            payload = line[6:]
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+def test_generate_text_and_input_ids_agree(c):
+    sp = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+    a = c.post("/generate", json={"text": "native api test", "sampling_params": sp}).json()
+    ids = c.post("/generate", json={"text": "native api test",
+                                    "sampling_params": {"max_new_tokens": 0}}).json()
+    assert ids["output_ids"] == [] and ids["meta_info"]["finish_reason"]["type"] == "length"
+    meta = a["meta_info"]
+    assert meta["completion_tokens"] == 8 and meta["finish_reason"] == {"type": "length"}
+    assert set(meta) >= {"id", "prompt_tokens", "completion_tokens", "cached_tokens"}
+
+
+def test_prefill_only_is_a_cache_hint(c):
+    prompt = list(range(1000, 1060))
+    hint = c.post("/generate", json={"input_ids": prompt, "sampling_params": {
+        "max_new_tokens": 0}}).json()
+    assert hint["meta_info"]["completion_tokens"] == 0
+    r = c.post("/generate", json={"input_ids": prompt + [7, 8], "sampling_params": {
+        "max_new_tokens": 2, "temperature": 0}}).json()
+    assert r["meta_info"]["cached_tokens"] == 60
+
+
+def test_batch_with_per_prompt_params_and_rids(c):
+    r = c.post("/generate", json={
+        "text": ["first prompt", "second prompt"], "rid": ["r-a", "r-b"],
+        "sampling_params": [{"max_new_tokens": 2, "temperature": 0},
+                            {"max_new_tokens": 4, "temperature": 0}]}).json()
+    assert [x["meta_info"]["id"] for x in r] == ["r-a", "r-b"]
+    assert [x["meta_info"]["completion_tokens"] <= n for x, n in zip(r, (2, 4))] == [True, True]
+
+
+def test_logprobs_with_text(c):
+    r = c.post("/generate", json={
+        "input_ids": [11, 12, 13, 14, 15], "return_logprob": True, "logprob_start_len": 1,
+        "top_logprobs_num": 2, "return_text_in_logprobs": True,
+        "sampling_params": {"max_new_tokens": 3, "temperature": 0}}).json()
+    meta = r["meta_info"]
+    assert [e[1] for e in meta["input_token_logprobs"]] == [12, 13, 14, 15]
+    assert [e[1] for e in meta["output_token_logprobs"]] == r["output_ids"]
+    assert all(len(e) == 3 and isinstance(e[2], str) for e in meta["output_token_logprobs"])
+    assert all(len(top) == 2 for top in meta["output_top_logprobs"])
+
+
+def test_stream_is_cumulative_and_matches_non_stream(c):
+    body = {"text": "stream this", "stream": True,
+            "sampling_params": {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}}
+    with c.stream("POST", "/generate", json=body) as resp:
+        events = sse_events(resp)
+    assert events[-1] == "[DONE]"
+    texts = [e["text"] for e in events[:-1]]
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))  # never taken back
+    full = c.post("/generate", json={**body, "stream": False}).json()
+    assert texts[-1] == full["text"] and events[-2]["output_ids"] == full["output_ids"]
+
+
+def test_info_routes(c, healthy):
+    info = c.get("/model_info").json()
+    assert info["context_len"] == 512 and info["is_generation"]
+    assert c.get("/get_model_info").json() == info
+    s = c.get("/server_info").json()
+    assert s["invariants_ok"] and s["max_total_tokens"] == 4096
+    assert c.get("/get_server_info").status_code == 200
+
+
+def test_flush_cache_and_abort_unknown(c):
+    assert c.post("/flush_cache").json() == {"flushed": True}
+    m = c.get("/server_info").json()["metrics"]
+    assert m["kv_cached_tokens"] == 0
+    assert c.post("/abort_request", json={"rid": "no-such-request"}).status_code == 200
+
+
+def test_metrics_prometheus(c):
+    c.post("/generate", json={"text": "count me", "sampling_params": {"max_new_tokens": 2}})
+    text = c.get("/metrics").text
+    for name in ("sgl_running_requests", "sgl_kv_usage", "sgl_cache_hit_rate",
+                 "sgl_prompt_tokens_total", "sgl_time_to_first_token_seconds_bucket",
+                 "sgl_invariant_violations_total 0.0"):
+        assert name in text, name

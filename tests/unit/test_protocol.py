@@ -1,0 +1,32 @@
+"""IPC messages: msgpack round trips, and garbage or foreign-version frames rejected (never
+unpickled)."""
+
+import pickle
+
+import msgspec
+import pytest
+
+from server import protocol as P
+
+
+@pytest.mark.parametrize("msg", [
+    P.GenerateReq("r1", [1, 2, 3], {"max_new_tokens": 4, "stop": ["x"]}, True, 0, 2, "salt"),
+    P.AbortReq("r1"), P.FlushCacheReq(), P.ServerInfoReq(),
+    P.Ready("m", 100, 512, 4096, "float32"),
+    P.BatchOutput([P.ReqOutput("r1", [5], "hi", {"type": "stop", "matched": 2}, 3, 1, 0,
+                               [(-0.5, 5)], [[(-0.5, 5), (-1.0, 6)]], [(None, 1), (-2.0, 2)])]),
+    P.ReqError("r1", "bad", "temperature", 400), P.FlushCacheReply(True),
+    P.ServerInfoReply({"kv_usage": 0.5}, 0),
+])
+def test_round_trip(msg):
+    assert P.decode(P.encode(msg)) == msg
+
+
+@pytest.mark.parametrize("frame", [
+    b"", b"\x00\x01garbage", pickle.dumps({"rid": "x"}),
+    msgspec.msgpack.encode({"v": 1, "msg": {"type": "Nope"}}),
+    msgspec.msgpack.encode({"v": 99, "msg": {"type": "AbortReq", "rid": "x"}}),
+])
+def test_garbage_and_foreign_frames_are_rejected(frame):
+    with pytest.raises(P.ProtocolError):
+        P.decode(frame)
