@@ -53,12 +53,16 @@ class ServerMetrics:
                               buckets=buckets, registry=self.registry)
         self.itl = Histogram("sgl_inter_token_latency_seconds", "time between streamed outputs",
                              buckets=buckets, registry=self.registry)
+        self.e2e = Histogram("sgl_e2e_request_latency_seconds", "request latency, end to end",
+                             buckets=buckets, registry=self.registry)
 
     def observe(self, event: str, seconds: float) -> None:
         if event == "ttft":
             self.ttft.observe(seconds)
         elif event == "itl":
             self.itl.observe(seconds)
+        elif event == "e2e":
+            self.e2e.observe(seconds)
         elif event == "abort":
             self.client_aborts.inc()
 

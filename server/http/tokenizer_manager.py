@@ -169,7 +169,7 @@ class TokenizerManager:
         q: asyncio.Queue = asyncio.Queue()
         self.queues[rid] = q
         finished = False
-        start = time.perf_counter()
+        start = began = time.perf_counter()
         try:
             await self.send_sock.send(P.encode(P.GenerateReq(
                 rid=rid, input_ids=inp.input_ids, sampling=_params_dict(inp.params),
@@ -188,6 +188,7 @@ class TokenizerManager:
                 first, start = False, now
                 if item.finish_reason is not None:
                     finished = True
+                    self._observe("e2e", now - began)
                 yield item
                 if finished:
                     return

@@ -79,3 +79,24 @@ def test_sigterm_drains_in_flight_streams_then_exits_zero(server):
         httpx.get(server.url + "/health", timeout=2).raise_for_status()
     assert server.proc.wait(60) == 0
     assert "scheduler" not in os.popen(f"pgrep -P {server.proc.pid} -a").read()
+
+
+def test_full_queue_answers_503_with_retry_after(make_tiny_model):
+    path, _ = make_tiny_model("llama")
+    s = ServerProcess("--model", path, "--dtype", "float32", "--max-total-tokens", "4096",
+                      "--context-length", "512", "--max-queued-requests", "2",
+                      "--max-running-requests", "1")
+    try:
+        results, threads = _start_streams(s.url, 2)  # fill the queue with two long streams
+        time.sleep(0.3)
+        with s.client() as c:
+            resp = c.post("/generate", json={"text": "one more"})
+        assert resp.status_code == 503 and resp.headers["retry-after"] == "1"
+        assert resp.json()["error"]["type"] == "server_error"
+        for t in threads:
+            t.join(60)
+        with s.client() as c:  # capacity is back once the queue drains
+            assert c.post("/generate", json={"text": "now",
+                                             "sampling_params": {"max_new_tokens": 1}}).is_success
+    finally:
+        assert s.stop() == 0

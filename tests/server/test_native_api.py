@@ -98,5 +98,6 @@ def test_metrics_prometheus(c):
     text = c.get("/metrics").text
     for name in ("sgl_running_requests", "sgl_kv_usage", "sgl_cache_hit_rate",
                  "sgl_prompt_tokens_total", "sgl_time_to_first_token_seconds_bucket",
+                 "sgl_e2e_request_latency_seconds_count",
                  "sgl_invariant_violations_total 0.0"):
         assert name in text, name
