@@ -76,7 +76,9 @@ def create_app(manager: TokenizerManager, *, model_name: str, model_path: str | 
         errors = exc.errors()
         first = errors[0] if errors else {}
         loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        return error_response(400, f"{loc or 'body'}: {first.get('msg', 'invalid request')}",
+        # a list over its bound (e.g. too many messages) is a too-large request
+        status = 413 if first.get("type") == "too_long" else 400
+        return error_response(status, f"{loc or 'body'}: {first.get('msg', 'invalid request')}",
                               param=loc or None)
 
     @app.exception_handler(StarletteHTTPException)

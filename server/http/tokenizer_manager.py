@@ -12,6 +12,7 @@ Errors raised to the HTTP layer are :class:`ApiError` with an HTTP status and an
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -223,8 +224,6 @@ class TokenizerManager:
 
 
 def _params_dict(params: SamplingParams) -> dict[str, Any]:
-    import dataclasses
-
     d = dataclasses.asdict(params)
     d["logit_bias"] = {str(k): v for k, v in params.logit_bias}
     d["stop"], d["stop_token_ids"] = list(params.stop), list(params.stop_token_ids)

@@ -41,30 +41,13 @@ from server.config import SchedulerConfig
 from server.model.forward_batch import ForwardBatch, ForwardMode, RunnerOutput
 from server.model.sampling import Sampler
 from server.scheduler import policy
+from server.scheduler.metrics import SchedulerStats, snapshot
 from server.scheduler.outputs import TokenDelta, record_input_logprobs, sample_and_append
 from server.scheduler.request import FinishReason, Req, ReqStatus
 from server.scheduler.validation import InvalidRequestError, validate_request
 
 IN_BATCH_SHARE_THRESHOLD = 32  # tokens
 _NO_SLOTS = torch.empty(0, dtype=torch.int64)
-
-
-@dataclass
-class SchedulerStats:
-    """Counters since start (tokens unless named otherwise). Cache hit rate is
-    ``cached_prompt_tokens / prompt_tokens`` (the SGLang paper's definition)."""
-
-    prompt_tokens: int = 0
-    cached_prompt_tokens: int = 0
-    generated_tokens: int = 0
-    retractions: int = 0
-    aborts: int = 0
-    forward_passes: int = 0
-    finished_requests: int = 0
-
-    @property
-    def cache_hit_rate(self) -> float:
-        return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
 @dataclass
@@ -375,29 +358,8 @@ class Scheduler:
         self.cache.release(req, cache=True)
 
     def metrics(self) -> dict[str, float]:
-        """A snapshot for monitoring: queue sizes (requests), KV memory (tokens, and
-        ``kv_usage`` = share of the pool held by requests or locked cache entries), cache
-        counters and the hit rate (cached / prompt tokens)."""
-        cache, st = self.cache, self.stats
-        pool, tree = cache.pool, cache.tree
-        held = pool.capacity - pool.num_free - tree.evictable_size
-        return {
-            "running_requests": len(self.running) + len(self.prefilling),
-            "waiting_requests": len(self.waiting),
-            "kv_capacity_tokens": pool.capacity,
-            "kv_free_tokens": pool.num_free,
-            "kv_cached_tokens": tree.evictable_size + tree.protected_size,
-            "kv_usage": held / pool.capacity,
-            "prompt_tokens": st.prompt_tokens,
-            "cached_prompt_tokens": st.cached_prompt_tokens,
-            "cache_hit_rate": st.cache_hit_rate,
-            "generated_tokens": st.generated_tokens,
-            "evicted_tokens": cache.stats.evicted_tokens,
-            "retractions": st.retractions,
-            "aborts": st.aborts,
-            "finished_requests": st.finished_requests,
-            "forward_passes": st.forward_passes,
-        }
+        """A monitoring snapshot (see :func:`server.scheduler.metrics.snapshot`)."""
+        return snapshot(self)
 
     # ---------------------------------------------------------------- checks
     def check_invariants(self) -> None:

@@ -43,7 +43,7 @@ def test_body_over_the_size_limit_is_413(healthy):
 def test_too_many_messages(healthy):
     with healthy.client() as c:
         resp = c.post(CHAT, json={"messages": MSG * 1025})
-    check_error(resp, 400, "messages")
+    check_error(resp, 413, "messages")
 
 
 @pytest.mark.parametrize("escaped", [r"a\ud800b", r"nul\u0000byte", r"ctrl\u0001\u001b[31m"])

@@ -1,0 +1,54 @@
+"""Scheduler counters and the monitoring snapshot the server exports (/server_info, /metrics).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from server.scheduler.scheduler import Scheduler
+
+
+@dataclass
+class SchedulerStats:
+    """Counters since start (tokens unless named otherwise). Cache hit rate is
+    ``cached_prompt_tokens / prompt_tokens`` (the SGLang paper's definition)."""
+
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    generated_tokens: int = 0
+    retractions: int = 0
+    aborts: int = 0
+    forward_passes: int = 0
+    finished_requests: int = 0
+
+    @property
+    def cache_hit_rate(self) -> float:
+        return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+def snapshot(sched: "Scheduler") -> dict[str, float]:
+    """Queue sizes (requests), KV memory (tokens, and ``kv_usage`` = share of the pool held by
+    requests or locked cache entries), cache counters and the hit rate (cached / prompt
+    tokens)."""
+    cache, st = sched.cache, sched.stats
+    pool, tree = cache.pool, cache.tree
+    held = pool.capacity - pool.num_free - tree.evictable_size
+    return {
+        "running_requests": len(sched.running) + len(sched.prefilling),
+        "waiting_requests": len(sched.waiting),
+        "kv_capacity_tokens": pool.capacity,
+        "kv_free_tokens": pool.num_free,
+        "kv_cached_tokens": tree.evictable_size + tree.protected_size,
+        "kv_usage": held / pool.capacity,
+        "prompt_tokens": st.prompt_tokens,
+        "cached_prompt_tokens": st.cached_prompt_tokens,
+        "cache_hit_rate": st.cache_hit_rate,
+        "generated_tokens": st.generated_tokens,
+        "evicted_tokens": cache.stats.evicted_tokens,
+        "retractions": st.retractions,
+        "aborts": st.aborts,
+        "finished_requests": st.finished_requests,
+        "forward_passes": st.forward_passes,
+    }
