@@ -25,6 +25,7 @@ from server.cache.manager import CacheManager
 from server.cache.radix_tree import RadixCache
 from server.cache.req_table import ReqToTokenTable
 from server.config import EngineConfig, resolve
+from server.constrained.grammar import GrammarCompiler
 from server.detokenizer import IncrementalDetokenizer
 from server.model.loader import load_model
 from server.model.runner import ModelRunner
@@ -80,6 +81,14 @@ class Engine:
                                    context_len=self.context_len, sampler=Sampler(self.config.seed),
                                    seed=self.config.seed)
         self.eos_ids = frozenset(self._eos_ids())
+        self._grammars: GrammarCompiler | None = None
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The grammar compiler for this model's tokenizer (built on first use)."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size)
+        return self._grammars
 
     def _eos_ids(self) -> set[int]:
         ids = set(self.arch.eos_token_ids)
@@ -104,12 +113,16 @@ class Engine:
         """Tokenize and wrap one prompt (str or token ids) as a scheduler request.
 
         ``cache_salt`` puts the request in its own radix-cache namespace: it shares cached KV
-        only with requests of the same salt."""
+        only with requests of the same salt. Raises GrammarError for a constraint that does
+        not compile."""
         ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        grammar = (self.grammars.matcher(params.grammar, sorted(self.eos_ids))
+                   if params.grammar is not None else None)
         return Req(rid=rid or uuid.uuid4().hex, input_ids=ids, params=params,
                    detokenizer=IncrementalDetokenizer(self.tokenizer, ids, params.stop,
                                                       params.skip_special_tokens),
-                   eos_ids=self.eos_ids, logprobs=logprobs, namespace=cache_salt)
+                   eos_ids=self.eos_ids, logprobs=logprobs, namespace=cache_salt,
+                   grammar=grammar)
 
     # ---------------------------------------------------------------- generation
     def generate(self, prompt: Prompt | Sequence[Prompt] | None = None,

@@ -4,8 +4,9 @@ Both completion routes support n, stop, seed, temperature, top_p, max_tokens (ch
 max_completion_tokens), presence/frequency penalties, logit_bias, logprobs, streaming (SSE, with
 a final usage chunk when ``stream_options.include_usage``), ``user``, and the extensions top_k,
 min_p, repetition_penalty, stop_token_ids, ignore_eos and min_tokens. Usage always reports
-``prompt_tokens_details.cached_tokens``. Grammar-constrained fields (response_format, tools,
-regex, json_schema) are refused with a clear 400 until constrained decoding lands.
+``prompt_tokens_details.cached_tokens``. ``response_format`` (json_object, json_schema)
+and the ``regex`` / ``json_schema`` extensions are enforced by grammar-constrained decoding;
+``tools`` is refused with a clear 400 until tool calling lands.
 """
 
 from __future__ import annotations
@@ -31,10 +32,29 @@ def _manager(request: Request) -> TokenizerManager:
 
 
 def _refuse_unsupported(body: _OpenAISampling) -> None:
-    for name in ("response_format", "tools", "regex", "json_schema"):
-        if getattr(body, name) is not None:
-            raise ApiError(400, f"'{name}' needs constrained decoding, which this server does not "
-                           "support yet", param=name)
+    if body.tools:
+        raise ApiError(400, "'tools' is not supported yet", param="tools")
+
+
+def _constraint(body: _OpenAISampling) -> dict[str, Any]:
+    """response_format (json_object, json_schema) or the regex / json_schema extensions, as
+    SamplingParams fields. Raises ApiError for a malformed response_format."""
+    rf = body.response_format
+    given = [n for n in ("regex", "json_schema") if getattr(body, n) is not None]
+    if rf is not None and rf.get("type") not in (None, "text"):
+        if given:
+            raise ApiError(400, f"give response_format or {given[0]}, not both", param=given[0])
+        if rf.get("type") == "json_object":
+            return {"json_schema": {"type": "object"}}
+        if rf.get("type") == "json_schema":
+            spec = rf.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                raise ApiError(400, "response_format.json_schema must be an object with a "
+                               "'schema'", param="response_format")
+            return {"json_schema": spec.get("schema") or {"type": "object"}}
+        raise ApiError(400, f"response_format type {rf.get('type')!r} is not supported",
+                       param="response_format")
+    return {"regex": body.regex, "json_schema": body.json_schema}
 
 
 def _params(body: _OpenAISampling, max_tokens: int, seed_offset: int = 0) -> SamplingParams:
@@ -48,6 +68,7 @@ def _params(body: _OpenAISampling, max_tokens: int, seed_offset: int = 0) -> Sam
         "min_new_tokens": body.min_tokens,
         "seed": None if body.seed is None else body.seed + seed_offset,
         "logit_bias": body.logit_bias,
+        **_constraint(body),
     }
     try:
         return SamplingParams.from_dict(fields)

@@ -22,6 +22,8 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from server.constrained.grammar import GrammarError, GrammarSpec, make_spec
+
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_N = 64
@@ -69,6 +71,11 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     n: int = 1
+    # constraints (at most one): a regex, a JSON schema (dict or JSON text; stored as canonical
+    # JSON text), or a list of allowed completions
+    regex: str | None = None
+    json_schema: Any = None
+    choices: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         def need(ok: bool, field: str, msg: str) -> None:
@@ -127,6 +134,20 @@ class SamplingParams:
         need(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a boolean")
         need(isinstance(self.skip_special_tokens, bool), "skip_special_tokens", "must be a boolean")
         need(_is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"must be in [1, {MAX_N}]")
+        if isinstance(self.choices, list):
+            object.__setattr__(self, "choices", tuple(self.choices))
+        try:
+            spec = make_spec(self.regex, self.json_schema, self.choices)
+        except GrammarError as exc:
+            raise SamplingParamsError(exc.param, str(exc).split(": ", 1)[-1]) from exc
+        if spec is not None and spec.kind == "json_schema":
+            object.__setattr__(self, "json_schema", spec.spec)
+        object.__setattr__(self, "_grammar", spec)
+
+    @property
+    def grammar(self) -> GrammarSpec | None:
+        """The normalized constraint, or None."""
+        return self._grammar
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None, *, ignore_unknown: bool = False
@@ -169,6 +190,7 @@ class SamplingState:
     output_ids: Sequence[int]
     generator: torch.Generator | None
     banned_ids: tuple[int, ...] = ()  # e.g. EOS/stop ids while output < min_new_tokens
+    allowed: torch.Tensor | None = None  # [vocab] bool from the grammar; None = unconstrained
 
 
 @dataclass
@@ -246,6 +268,8 @@ class Sampler:
                 row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
         if st.banned_ids:
             row[list(st.banned_ids)] = float("-inf")
+        if st.allowed is not None:
+            row.masked_fill_(~st.allowed[:row.numel()], float("-inf"))
 
     def _draw(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
         """Temperature, top-k, top-p, min-p, then one multinomial draw per row."""

@@ -19,6 +19,7 @@ import zmq
 
 from server import protocol as P
 from server.config import EngineConfig
+from server.constrained.grammar import GrammarError
 from server.engine import Engine
 from server.model.sampling import SamplingParams, SamplingParamsError
 from server.scheduler.outputs import TokenDelta
@@ -77,7 +78,7 @@ class SchedulerLoop:
                                                       msg.top_logprobs_num),
                 rid=msg.rid, cache_salt=msg.namespace)
             self.engine.scheduler.add_request(req)
-        except (InvalidRequestError, SamplingParamsError) as exc:
+        except (InvalidRequestError, SamplingParamsError, GrammarError) as exc:
             self.send.send(P.encode(P.ReqError(msg.rid, str(exc), getattr(exc, "param", None))))
             return
         self.live[msg.rid] = (req, _Sent())

@@ -50,6 +50,7 @@ def sample_and_append(sampler: Sampler, items: Sequence[tuple[Req, int]], logits
     reqs = [r for r, _ in items]
     for r in reqs:
         r.sampling.banned_ids = r.banned_ids()
+        r.sampling.allowed = r.grammar.allowed_mask() if r.grammar is not None else None
     want = any(r.logprobs.return_logprob for r in reqs)
     k = max(r.logprobs.top_logprobs_num for r in reqs)
     sampled = sampler.sample(logits[[i for _, i in items]], [r.sampling for r in reqs],
@@ -67,8 +68,14 @@ def sample_and_append(sampler: Sampler, items: Sequence[tuple[Req, int]], logits
 
 
 def check_finished(req: Req, tok: int, context_len: int) -> FinishReason | None:
-    """Stop conditions after appending ``tok``; feeds the detokenizer (not the stop token)."""
+    """Stop conditions after appending ``tok``; advances the grammar and feeds the detokenizer
+    (not the stop token). A grammar that rejects the token ends the request with an error."""
     p = req.params
+    if req.grammar is not None:
+        if not req.grammar.accept(tok):
+            return FinishReason("error", message=f"the grammar rejected token {tok}")
+        if req.grammar.terminated:  # it accepted a stop token: the constrained output is done
+            return FinishReason("stop", matched=tok)
     if tok in p.stop_token_ids or (tok in req.eos_ids and not p.ignore_eos):
         return FinishReason("stop", matched=tok)
     if req.detokenizer is not None:

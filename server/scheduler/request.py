@@ -72,6 +72,7 @@ class Req:
     cache_node: Any = None  # radix-tree handle locked while the request holds a row
     cached_tokens: int = 0  # prompt tokens reused from the cache at first admission
     num_admissions: int = 0
+    grammar: Any = None  # server.constrained.grammar.Matcher for constrained requests
     passed_steps: int = 0  # scheduling steps in which later arrivals were admitted first
     finish_reason: FinishReason | None = None
     arrival_time: float = field(default_factory=time.monotonic)
@@ -112,8 +113,9 @@ class Req:
         return self.logprobs.return_logprob and self.logprobs.logprob_start_len >= 0
 
     def banned_ids(self) -> tuple[int, ...]:
-        """Tokens that may not be sampled now: EOS and stop ids before min_new_tokens."""
-        if len(self.output_ids) >= self.params.min_new_tokens:
+        """Tokens that may not be sampled now: EOS and stop ids before min_new_tokens (a grammar,
+        when present, alone decides when EOS may come)."""
+        if len(self.output_ids) >= self.params.min_new_tokens or self.grammar is not None:
             return ()
         return tuple(sorted(set(self.params.stop_token_ids)
                             | (set() if self.params.ignore_eos else set(self.eos_ids))))

@@ -137,13 +137,43 @@ def test_bad_sampling_values(healthy, field, value):
     check_error(resp, 400)
 
 
-@pytest.mark.parametrize("field, value", [
-    ("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]),
-    ("regex", "[0-9]+"), ("json_schema", {"type": "object"}),
+@pytest.mark.parametrize("extra, param", [
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"regex": "(unclosed"}, "regex"), ({"regex": ""}, "regex"),
+    ({"json_schema": {"type": 5}}, "json_schema"),
+    ({"json_schema": {"$ref": "#"}}, "json_schema"),
+    ({"json_schema": {"type": "object", "description": "x" * 40000}}, "json_schema"),
+    ({"regex": "a+", "json_schema": {"type": "object"}}, "json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": "nope"}}, "response_format"),
+    ({"response_format": {"type": "yaml"}}, "response_format"),
+    ({"response_format": {"type": "json_object"}, "regex": "a"}, "regex"),
 ])
-def test_constraints_are_refused_clearly_until_supported(healthy, field, value):
+def test_bad_constraints(healthy, extra, param):
     with healthy.client() as c:
-        check_error(c.post(CHAT, json={"messages": MSG, field: value}), 400, field)
+        start = __import__("time").monotonic()
+        check_error(c.post(CHAT, json={"messages": MSG, **extra}), 400, param)
+        assert __import__("time").monotonic() - start < 10  # within the compile budget
+
+
+def test_bad_native_choices(healthy):
+    with healthy.client() as c:
+        for choices in ([], ["a", "a"], [""]):
+            check_error(c.post(GEN, json={"text": "x", "sampling_params": {"choices": choices}}),
+                        400, "choices")
+
+
+def test_constraints_hold_on_the_tiny_model(healthy):
+    with healthy.client() as c:
+        r = c.post(GEN, json={"text": "n:", "sampling_params": {
+            "regex": "[0-9]{3}", "max_new_tokens": 8, "temperature": 1.0}}).json()
+        assert __import__("re").fullmatch("[0-9]{3}", r["text"]), r
+        r = c.post(CHAT, json={"messages": MSG, "max_tokens": 100, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "p", "strict": True, "schema": {
+                "type": "object", "properties": {"ok": {"type": "boolean"}},
+                "required": ["ok"], "additionalProperties": False}}}}).json()
+        if r["choices"][0]["finish_reason"] == "stop":
+            assert isinstance(__import__("json").loads(r["choices"][0]["message"]["content"])
+                              ["ok"], bool)
 
 
 def test_bad_native_sampling_params(healthy):

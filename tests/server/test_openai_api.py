@@ -130,3 +130,27 @@ def test_default_model_chat(default_server):
         max_tokens=24, temperature=0)
     assert "Paris" in r.choices[0].message.content
     assert r.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.default_model
+@pytest.mark.slow
+def test_default_model_structured_output(default_server):
+    import json
+
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                               "population": {"type": "integer"}},
+              "required": ["city", "population"], "additionalProperties": False}
+    client = openai.OpenAI(base_url=default_server.url + "/v1", api_key="x", max_retries=0)
+    r = client.chat.completions.create(
+        model="default", max_tokens=80, temperature=0,
+        messages=[{"role": "user", "content": "Describe Paris as JSON with city and population."}],
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "city", "strict": True, "schema": schema}})
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    obj = client.chat.completions.create(
+        model="default", max_tokens=80, temperature=0, response_format={"type": "json_object"},
+        messages=[{"role": "user", "content": "Give me a JSON object about a cat."}])
+    assert isinstance(json.loads(obj.choices[0].message.content), dict)

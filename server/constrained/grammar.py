@@ -1,0 +1,228 @@
+"""Compile regex / JSON-schema / choice constraints into token-level automata for one tokenizer.
+
+Library choice: **xgrammar** (Apache-2.0, used by SGLang, vLLM and TensorRT-LLM). It compiles
+JSON schemas and regexes to a pushdown automaton with precomputed token masks over the model's
+*padded* vocabulary (ids past the tokenizer's vocabulary are never allowed), supports rollback
+and ``find_jump_forward_string`` (the forced continuation a compressed FSM appends in one step,
+SGLang paper §4), caps JSON whitespace (``max_whitespace_cnt``), and applies masks on CPU tensors.
+outlines-core was the alternative; it lacks rollback and a jump-forward query.
+
+User JSON schemas are first checked with ``jsonschema`` (draft 2020-12) so errors are clear.
+Compiled grammars are cached per (kind, spec): a batch with one schema compiles once. Budgets:
+specs over ``MAX_SPEC_CHARS`` and recursive schemas are refused; a compile taking longer than
+``COMPILE_TIMEOUT_S`` is refused (the worker thread is left to finish in the background).
+
+Errors: :class:`GrammarError` (a ValueError with ``param``), answered as HTTP 400.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import threading
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+MAX_SPEC_CHARS = 32 * 1024
+MAX_CHOICES = 256
+COMPILE_TIMEOUT_S = 10.0
+JSON_MAX_WHITESPACE = 2  # consecutive whitespace characters allowed inside JSON
+
+
+class GrammarError(ValueError):
+    def __init__(self, param: str, message: str):
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """kind: "regex", "json_schema" or "choices"; spec: the regex, the schema as canonical JSON
+    text, or the choices as a JSON list."""
+
+    kind: str
+    spec: str
+
+
+def make_spec(regex: str | None = None, json_schema: Any = None,
+              choices: Sequence[str] | None = None) -> GrammarSpec | None:
+    """Validate and normalize the (at most one) constraint of a request. Raises GrammarError."""
+    given = [n for n, v in (("regex", regex), ("json_schema", json_schema),
+                            ("choices", choices)) if v is not None]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise GrammarError(given[1], f"only one constraint per request (got {', '.join(given)})")
+    if regex is not None:
+        if not isinstance(regex, str) or not regex:
+            raise GrammarError("regex", "must be a non-empty string")
+        _check_size("regex", regex)
+        return GrammarSpec("regex", regex)
+    if json_schema is not None:
+        schema = _load_schema(json_schema)
+        # keep key order: property order in the schema is the order fields are generated in
+        text = json.dumps(schema, separators=(",", ":"))
+        _check_size("json_schema", text)
+        return GrammarSpec("json_schema", text)
+    if not isinstance(choices, (list, tuple)) or not choices:
+        raise GrammarError("choices", "must be a non-empty list of strings")
+    if len(choices) > MAX_CHOICES or not all(isinstance(c, str) and c for c in choices):
+        raise GrammarError("choices", f"at most {MAX_CHOICES} non-empty strings")
+    if len(set(choices)) != len(choices):
+        raise GrammarError("choices", "choices must be distinct")
+    text = json.dumps(list(choices))
+    _check_size("choices", text)
+    return GrammarSpec("choices", text)
+
+
+def _check_size(param: str, text: str) -> None:
+    if len(text) > MAX_SPEC_CHARS:
+        raise GrammarError(param, f"over {MAX_SPEC_CHARS} characters")
+
+
+def _load_schema(value: Any) -> dict:
+    import jsonschema
+
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise GrammarError("json_schema", f"not valid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise GrammarError("json_schema", "must be a JSON object")
+    try:
+        jsonschema.Draft202012Validator.check_schema(value)
+    except jsonschema.SchemaError as exc:
+        raise GrammarError("json_schema", f"invalid JSON schema: {exc.message}") from exc
+    if _is_recursive(value):
+        raise GrammarError("json_schema", "recursive schemas ($ref cycles) are not supported")
+    return value
+
+
+def _is_recursive(schema: dict) -> bool:
+    """True when a local $ref (#/$defs/X, #/definitions/X) can reach itself."""
+    defs = {**schema.get("definitions", {}), **schema.get("$defs", {})}
+
+    def refs(node: Any) -> set[str]:
+        out: set[str] = set()
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/"):
+                out.add(ref.rsplit("/", 1)[-1])
+            for v in node.values():
+                out |= refs(v)
+        elif isinstance(node, list):
+            for v in node:
+                out |= refs(v)
+        return out
+
+    edges = {name: refs(body) for name, body in defs.items()}
+    if '"$ref": "#"' in json.dumps(schema):  # a reference to the whole schema
+        return True
+
+    def reaches(start: str) -> bool:
+        seen, stack = set(), list(edges.get(start, ()))
+        while stack:
+            n = stack.pop()
+            if n == start:
+                return True
+            if n not in seen:
+                seen.add(n)
+                stack.extend(edges.get(n, ()))
+        return False
+
+    return any(reaches(name) for name in edges)
+
+
+def _choices_ebnf(choices: list[str]) -> str:
+    def lit(s: str) -> str:
+        return '"' + s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") \
+            .replace("\r", "\\r").replace("\t", "\\t") + '"'
+
+    return "root ::= " + " | ".join(lit(c) for c in choices)
+
+
+class GrammarCompiler:
+    """Compiles and caches grammars for one tokenizer and model vocabulary size.
+
+    Args: tokenizer (transformers), vocab_size (the model's, possibly padded, vocabulary).
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int):
+        import xgrammar as xgr
+
+        self._xgr = xgr
+        self.vocab_size = vocab_size
+        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        self._compiler = xgr.GrammarCompiler(self.info, max_threads=1)
+        self._cache: dict[GrammarSpec, Any] = {}
+        self._lock = threading.Lock()
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        self.compile_seconds = 0.0
+
+    def compile(self, spec: GrammarSpec):
+        """The compiled grammar for ``spec`` (cached). Raises GrammarError."""
+        with self._lock:
+            hit = self._cache.get(spec)
+        if hit is not None:
+            return hit
+        import time
+
+        start = time.perf_counter()
+        future = self._pool.submit(self._compile, spec)
+        try:
+            compiled = future.result(timeout=COMPILE_TIMEOUT_S)
+        except concurrent.futures.TimeoutError as exc:
+            raise GrammarError(spec.kind, f"compiling took over {COMPILE_TIMEOUT_S:.0f} s") from exc
+        except GrammarError:
+            raise
+        except Exception as exc:  # the library's own message names the problem
+            raise GrammarError(spec.kind, f"cannot compile: {exc}") from exc
+        self.compile_seconds += time.perf_counter() - start
+        with self._lock:
+            self._cache[spec] = compiled
+        return compiled
+
+    def _compile(self, spec: GrammarSpec):
+        c = self._compiler
+        if spec.kind == "regex":
+            return c.compile_regex(spec.spec)
+        if spec.kind == "json_schema":
+            return c.compile_json_schema(spec.spec, any_whitespace=True,
+                                         max_whitespace_cnt=JSON_MAX_WHITESPACE)
+        return c.compile_grammar(_choices_ebnf(json.loads(spec.spec)))
+
+    def matcher(self, spec: GrammarSpec, stop_token_ids: Sequence[int]) -> "Matcher":
+        """A fresh matcher for one request; EOS (``stop_token_ids``) is allowed exactly when
+        the automaton accepts."""
+        compiled = self.compile(spec)
+        m = self._xgr.GrammarMatcher(compiled, override_stop_tokens=list(stop_token_ids))
+        return Matcher(m, self._xgr, self.vocab_size)
+
+
+class Matcher:
+    """One request's cursor in its grammar."""
+
+    def __init__(self, matcher: Any, xgr: Any, vocab_size: int):
+        self._m = matcher
+        self._xgr = xgr
+        self.vocab_size = vocab_size
+
+    def allowed_mask(self):
+        """[vocab_size] bool tensor of the tokens the grammar allows next."""
+        import torch
+
+        bitmask = self._xgr.allocate_token_bitmask(1, self.vocab_size)
+        self._m.fill_next_token_bitmask(bitmask, 0)
+        bits = (bitmask[0].unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+        return bits.view(-1)[:self.vocab_size].bool()
+
+    def accept(self, token_id: int) -> bool:
+        return bool(self._m.accept_token(token_id))
+
+    @property
+    def terminated(self) -> bool:
+        return bool(self._m.is_terminated())
+
+    def jump_forward_string(self) -> str:
+        return self._m.find_jump_forward_string()

@@ -1,0 +1,128 @@
+"""Grammar-constrained decoding on tiny random-weight models: whatever the logits, outputs match
+the regex / validate against the schema / are one of the choices, for greedy and sampled
+decoding; the mask never allows ids outside the tokenizer's vocabulary."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from server.constrained.grammar import GrammarError, GrammarSpec, make_spec
+from server.engine import Engine
+from server.model.sampling import SamplingParamsError
+
+PADDED_VOCAB = 49152 + 96  # the tokenizer has 49152 tokens; the model pads its vocabulary
+
+
+@pytest.fixture(scope="module")
+def padded_engine(make_tiny_model):
+    path, _ = make_tiny_model("llama", seed=3, vocab_size=PADDED_VOCAB)
+    return Engine(path, dtype="float32", context_length=512, max_total_tokens=8192)
+
+
+def _gen(engine, params, n=4):
+    """n samples of one prompt (seeded requests get seeds seed, seed+1, ...)."""
+    return engine.generate(input_ids=engine.encode("Answer:"), sampling_params={**params, "n": n})
+
+
+REGEXES = st.sampled_from([r"[0-9]{1,4}", r"(yes|no|maybe)", r"[a-z]{2,6}-[0-9]{2}",
+                           r"\d+\.\d{2}", r"(ab|cd)+e?", r"[A-Z][a-z]{0,5}( [A-Z][a-z]{0,5}){0,2}"])
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(regex=REGEXES, temperature=st.sampled_from([0.0, 1.0]), seed=st.integers(0, 1000))
+def test_regex_outputs_always_match(padded_engine, regex, temperature, seed):
+    outs = _gen(padded_engine, {"regex": regex, "temperature": temperature, "seed": seed,
+                                "max_new_tokens": 48})
+    for o in outs:
+        if o["meta_info"]["finish_reason"]["type"] == "stop":
+            assert re.fullmatch(regex, o["text"]), (regex, o["text"])
+        else:  # cut by max_new_tokens: still a valid prefix, never an invalid character
+            assert o["meta_info"]["finish_reason"]["type"] == "length"
+        assert all(t < 49152 for t in o["output_ids"])
+
+
+def _schemas():
+    scalar = st.sampled_from([{"type": "integer"}, {"type": "boolean"}, {"type": "null"},
+                              {"type": "string", "maxLength": 6},
+                              {"type": "number"}, {"enum": ["red", "green", 3]},
+                              {"const": "fixed"}])
+    array = scalar.map(lambda s: {"type": "array", "items": s, "minItems": 1, "maxItems": 3})
+    field = st.one_of(scalar, array)
+    return st.dictionaries(st.sampled_from(["a", "bb", "name", "x_1"]), field, min_size=1,
+                           max_size=3).map(lambda props: {
+                               "type": "object", "properties": props,
+                               "required": sorted(props), "additionalProperties": False})
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(schema=_schemas(), temperature=st.sampled_from([0.0, 1.0]), seed=st.integers(0, 1000))
+def test_json_schema_outputs_always_validate(padded_engine, schema, temperature, seed):
+    outs = _gen(padded_engine, {"json_schema": schema, "temperature": temperature, "seed": seed,
+                                "max_new_tokens": 160})
+    for o in outs:
+        if o["meta_info"]["finish_reason"]["type"] == "stop":
+            jsonschema.validate(json.loads(o["text"]), schema)
+
+
+def test_choices_and_a_grammar_beating_logit_bias(padded_engine):
+    # a +100 bias on a padded id and on EOS: the grammar still decides
+    outs = _gen(padded_engine, {"choices": ["alpha", "beta", "gamma delta"], "temperature": 1.0,
+                                "seed": 5, "logit_bias": {str(PADDED_VOCAB - 1): 100.0,
+                                                          "2": 50.0}}, n=6)
+    assert {o["text"] for o in outs} <= {"alpha", "beta", "gamma delta"}
+    assert all(o["meta_info"]["finish_reason"]["type"] == "stop" for o in outs)
+
+
+def test_mask_never_allows_padded_ids(padded_engine):
+    m = padded_engine.grammars.matcher(make_spec(regex=r"[a-z]+"), sorted(padded_engine.eos_ids))
+    mask = m.allowed_mask()
+    assert mask.shape == (PADDED_VOCAB,) and not mask[49152:].any() and mask.any()
+
+
+def test_compile_cache_compiles_once(padded_engine):
+    spec = GrammarSpec("regex", "[0-9]{7}")
+    g = padded_engine.grammars
+    a = g.compile(spec)
+    assert g.compile(spec) is a
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    ({"regex": ""}, "regex"), ({"choices": []}, "choices"), ({"choices": ["a", "a"]}, "choices"),
+    ({"json_schema": "{not json"}, "json_schema"), ({"json_schema": {"type": 5}}, "json_schema"),
+    ({"json_schema": {"$defs": {"n": {"properties": {"next": {"$ref": "#/$defs/n"}}}},
+                      "$ref": "#/$defs/n"}}, "json_schema"),
+    ({"json_schema": {"type": "object", "description": "x" * 40000}}, "json_schema"),
+    ({"regex": "a", "json_schema": {"type": "object"}}, "json_schema"),
+])
+def test_bad_specs_raise_typed_errors(kwargs, param):
+    with pytest.raises(SamplingParamsError) as err:
+        from server.model.sampling import SamplingParams
+
+        SamplingParams(**kwargs)
+    assert err.value.param == param
+
+
+def test_uncompilable_regex_is_a_grammar_error(padded_engine):
+    with pytest.raises(GrammarError):
+        padded_engine.generate("x", {"regex": "(unclosed"})
+    assert not padded_engine.scheduler.has_work
+
+
+def test_matcher_failure_ends_only_that_request(padded_engine, monkeypatch):
+    """A matcher that rejects a token mid-generation (a fault we cannot cause otherwise) ends
+    only its request, with an error; the others in the batch finish normally."""
+    prompt = padded_engine.encode("Answer:")
+    bad = padded_engine.make_request(prompt, __import__("server.model.sampling", fromlist=["x"])
+                                     .SamplingParams(regex="[a-z]+", max_new_tokens=8))
+    monkeypatch.setattr(bad.grammar, "accept", lambda tok: False)
+    good = padded_engine.make_request(prompt, bad.params)
+    outs = padded_engine.run([bad, good])
+    assert outs[0]["meta_info"]["finish_reason"]["type"] == "error"
+    assert outs[1]["meta_info"]["finish_reason"]["type"] in ("stop", "length")
+    padded_engine.scheduler.check_invariants()
