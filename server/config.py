@@ -98,6 +98,7 @@ class SchedulerConfig:
             scheduling steps is admitted before anything else.
         max_cache_aware_queue: above this many waiting requests, lpm/dfs_weight fall back to
             fcfs (matching every request against the tree each step costs time).
+        disable_jump_forward: decode forced strings of constrained requests token by token.
     """
 
     max_running_requests: int = 128
@@ -106,6 +107,7 @@ class SchedulerConfig:
     max_new_tokens_reserve: int = 256
     starvation_limit_steps: int = 64
     max_cache_aware_queue: int = 128
+    disable_jump_forward: bool = False
 
     def __post_init__(self) -> None:
         if self.max_running_requests < 1:

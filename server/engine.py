@@ -46,7 +46,7 @@ class Engine:
         **kwargs: any field of ModelConfig (dtype, device, context_length, served_model_name),
             CacheConfig (max_total_tokens, mem_fraction, disable_radix_cache), SchedulerConfig
             (max_running_requests, chunked_prefill_size, schedule_policy, max_new_tokens_reserve,
-            starvation_limit_steps, max_cache_aware_queue), or ``seed``.
+            starvation_limit_steps, max_cache_aware_queue, disable_jump_forward), or ``seed``.
 
         config: a whole EngineConfig instead of ``model`` and keywords (the server uses this).
 
@@ -79,7 +79,7 @@ class Engine:
                                   RadixCache(disabled=cc.disable_radix_cache))
         self.scheduler = Scheduler(sc, self.cache, vocab_size=loaded.arch.vocab_size,
                                    context_len=self.context_len, sampler=Sampler(self.config.seed),
-                                   seed=self.config.seed)
+                                   seed=self.config.seed, tokenizer=loaded.tokenizer)
         self.eos_ids = frozenset(self._eos_ids())
         self._grammars: GrammarCompiler | None = None
 

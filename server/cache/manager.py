@@ -109,6 +109,12 @@ class CacheManager:
         self.req_table.write(req.row, req.alloc_len, slots)
         req.alloc_len += slots.numel()
 
+    def truncate_alloc(self, req: "Req") -> None:
+        """Free the slots of positions [computed_len, alloc_len) (e.g. rejected drafts)."""
+        if req.alloc_len > req.computed_len:
+            self.pool.free(self.req_table.read(req.row, req.computed_len, req.alloc_len).clone())
+            req.alloc_len = req.computed_len
+
     # ------------------------------------------------------------------ caching and release
     def cache_unfinished(self, req: "Req") -> None:
         """Insert the computed prefix of a still-running request; it keeps its row and work."""

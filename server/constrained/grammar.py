@@ -4,7 +4,8 @@ Library choice: **xgrammar** (Apache-2.0, used by SGLang, vLLM and TensorRT-LLM)
 JSON schemas and regexes to a pushdown automaton with precomputed token masks over the model's
 *padded* vocabulary (ids past the tokenizer's vocabulary are never allowed), supports rollback
 and ``find_jump_forward_string`` (the forced continuation a compressed FSM appends in one step,
-SGLang paper §4), caps JSON whitespace (``max_whitespace_cnt``), and applies masks on CPU tensors.
+SGLang paper §4), and applies masks on CPU tensors. JSON is generated with fixed separators
+(", " and ": "), so whitespace cannot loop and keys are forced strings.
 outlines-core was the alternative; it lacks rollback and a jump-forward query.
 
 User JSON schemas are first checked with ``jsonschema`` (draft 2020-12) so errors are clear.
@@ -26,7 +27,6 @@ from typing import Any, Sequence
 MAX_SPEC_CHARS = 32 * 1024
 MAX_CHOICES = 256
 COMPILE_TIMEOUT_S = 10.0
-JSON_MAX_WHITESPACE = 2  # consecutive whitespace characters allowed inside JSON
 
 
 class GrammarError(ValueError):
@@ -159,6 +159,7 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar")
         self.compile_seconds = 0.0
+        self._json_safe = None
 
     def compile(self, spec: GrammarSpec):
         """The compiled grammar for ``spec`` (cached). Raises GrammarError."""
@@ -188,25 +189,44 @@ class GrammarCompiler:
         if spec.kind == "regex":
             return c.compile_regex(spec.spec)
         if spec.kind == "json_schema":
-            return c.compile_json_schema(spec.spec, any_whitespace=True,
-                                         max_whitespace_cnt=JSON_MAX_WHITESPACE)
+            # Fixed separators (", " and ": "): no whitespace loops, and keys plus separators
+            # become forced strings that jump-forward computes in one pass.
+            return c.compile_json_schema(spec.spec, any_whitespace=False)
         return c.compile_grammar(_choices_ebnf(json.loads(spec.spec)))
+
+    def json_safe_mask(self):
+        """[vocab_size] bool: tokens whose bytes hold no control character (< 0x20).
+
+        JSON generated with fixed separators never contains a raw control character (inside
+        strings they must be escaped), but xgrammar 0.2's rule for strings with ``maxLength``
+        admits them (all but \\n and \\r); JSON-schema masks are ANDed with this mask."""
+        if self._json_safe is None:
+            import torch
+
+            safe = torch.zeros(self.vocab_size, dtype=torch.bool)
+            for i, token in enumerate(self.info.decoded_vocab[:self.vocab_size]):
+                raw = token if isinstance(token, bytes) else str(token).encode()
+                safe[i] = not any(b < 0x20 for b in raw)
+            self._json_safe = safe
+        return self._json_safe
 
     def matcher(self, spec: GrammarSpec, stop_token_ids: Sequence[int]) -> "Matcher":
         """A fresh matcher for one request; EOS (``stop_token_ids``) is allowed exactly when
         the automaton accepts."""
         compiled = self.compile(spec)
         m = self._xgr.GrammarMatcher(compiled, override_stop_tokens=list(stop_token_ids))
-        return Matcher(m, self._xgr, self.vocab_size)
+        extra = self.json_safe_mask() if spec.kind == "json_schema" else None
+        return Matcher(m, self._xgr, self.vocab_size, extra)
 
 
 class Matcher:
     """One request's cursor in its grammar."""
 
-    def __init__(self, matcher: Any, xgr: Any, vocab_size: int):
+    def __init__(self, matcher: Any, xgr: Any, vocab_size: int, extra_mask: Any = None):
         self._m = matcher
         self._xgr = xgr
         self.vocab_size = vocab_size
+        self._extra = extra_mask  # ANDed with the grammar's mask (see json_safe_mask)
 
     def allowed_mask(self):
         """[vocab_size] bool tensor of the tokens the grammar allows next."""
@@ -215,7 +235,8 @@ class Matcher:
         bitmask = self._xgr.allocate_token_bitmask(1, self.vocab_size)
         self._m.fill_next_token_bitmask(bitmask, 0)
         bits = (bitmask[0].unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
-        return bits.view(-1)[:self.vocab_size].bool()
+        mask = bits.view(-1)[:self.vocab_size].bool()
+        return mask & self._extra if self._extra is not None else mask
 
     def accept(self, token_id: int) -> bool:
         return bool(self._m.accept_token(token_id))
@@ -224,5 +245,11 @@ class Matcher:
     def terminated(self) -> bool:
         return bool(self._m.is_terminated())
 
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens."""
+        if num_tokens > 0:
+            self._m.rollback(num_tokens)
+
     def jump_forward_string(self) -> str:
+        """The string the grammar forces from the current state ("" when there is a choice)."""
         return self._m.find_jump_forward_string()

@@ -18,6 +18,7 @@ class SchedulerStats:
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
     generated_tokens: int = 0
+    jump_forward_tokens: int = 0  # output tokens appended by jump-forward (no decode step)
     retractions: int = 0
     aborts: int = 0
     forward_passes: int = 0
@@ -46,6 +47,7 @@ def snapshot(sched: "Scheduler") -> dict[str, float]:
         "cached_prompt_tokens": st.cached_prompt_tokens,
         "cache_hit_rate": st.cache_hit_rate,
         "generated_tokens": st.generated_tokens,
+        "jump_forward_tokens": st.jump_forward_tokens,
         "evicted_tokens": cache.stats.evicted_tokens,
         "retractions": st.retractions,
         "aborts": st.aborts,

@@ -8,10 +8,11 @@ finishes, never here.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
+from server.constrained.jump_forward import draft_tokens
 from server.model.sampling import Sampler, top_logprobs
 from server.scheduler.request import FinishReason, Req
 
@@ -42,10 +43,13 @@ def record_input_logprobs(req: Req, positions: Sequence[int], rows: Sequence[int
 
 
 def sample_and_append(sampler: Sampler, items: Sequence[tuple[Req, int]], logits: torch.Tensor,
-                      context_len: int) -> list[tuple[Req, int, FinishReason | None]]:
+                      context_len: int, jump_forward_tokenizer: Any = None
+                      ) -> list[tuple[Req, list[int], FinishReason | None]]:
     """Sample one token for each (request, logits row); append it and check stop conditions.
+    With ``jump_forward_tokenizer``, a constrained request may get a draft of forced tokens to
+    verify in its next pass (see :mod:`server.constrained.jump_forward`).
 
-    Returns (request, token, finish reason or None) per item, in order.
+    Returns (request, appended token ids, finish reason or None) per item, in order.
     """
     reqs = [r for r, _ in items]
     for r in reqs:
@@ -63,14 +67,18 @@ def sample_and_append(sampler: Sampler, items: Sequence[tuple[Req, int]], logits
             if req.logprobs.top_logprobs_num:
                 req.output_top_logprobs.append(
                     sampled.top_logprobs[i][:req.logprobs.top_logprobs_num])
-        out.append((req, tok, check_finished(req, tok, context_len)))
+        reason = check_finished(req, tok, context_len, jump_forward_tokenizer)
+        out.append((req, req.output_ids[req.output_ids_before_step:], reason))
     return out
 
 
-def check_finished(req: Req, tok: int, context_len: int) -> FinishReason | None:
-    """Stop conditions after appending ``tok``; advances the grammar and feeds the detokenizer
-    (not the stop token). A grammar that rejects the token ends the request with an error."""
+def check_finished(req: Req, tok: int, context_len: int,
+                   jump_forward_tokenizer: Any = None) -> FinishReason | None:
+    """Stop conditions after appending ``tok``; advances the grammar (possibly jumping forward
+    over a forced string) and feeds the detokenizer (not the stop token). A grammar that
+    rejects the token ends the request with an error."""
     p = req.params
+    req.output_ids_before_step = len(req.output_ids) - 1
     if req.grammar is not None:
         if not req.grammar.accept(tok):
             return FinishReason("error", message=f"the grammar rejected token {tok}")
@@ -84,4 +92,7 @@ def check_finished(req: Req, tok: int, context_len: int) -> FinishReason | None:
             return FinishReason("stop", matched=req.detokenizer.matched_stop)
     if len(req.output_ids) >= p.max_new_tokens or req.fill_len >= context_len:
         return FinishReason("length")
+    if req.grammar is not None and jump_forward_tokenizer is not None:
+        room = min(p.max_new_tokens - len(req.output_ids), context_len - req.fill_len - 1)
+        req.draft = draft_tokens(req.grammar, jump_forward_tokenizer, tok, room)
     return None

@@ -73,6 +73,8 @@ class Req:
     cached_tokens: int = 0  # prompt tokens reused from the cache at first admission
     num_admissions: int = 0
     grammar: Any = None  # server.constrained.grammar.Matcher for constrained requests
+    draft: list[int] = field(default_factory=list)  # forced tokens to verify next pass
+    output_ids_before_step: int = 0
     passed_steps: int = 0  # scheduling steps in which later arrivals were admitted first
     finish_reason: FinishReason | None = None
     arrival_time: float = field(default_factory=time.monotonic)

