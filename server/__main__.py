@@ -47,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--schedule-policy", choices=SCHEDULE_POLICIES, default="lpm", help="waiting-queue order: "
       "lpm = longest cached prefix first (default), dfs_weight, fcfs, random")
     a("--disable-radix-cache", action="store_true", help="turn prefix reuse off")
+    a("--disable-jump-forward", action="store_true", help="decode strings a grammar forces token "
+      "by token instead of verifying them in one pass (outputs are the same either way)")
     a("--max-running-requests", type=int, default=128, help="max requests decoding at once")
     a("--max-queued-requests", type=int, default=1024, help="requests in flight beyond which new "
       "ones get 503 with Retry-After")
@@ -65,7 +67,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, HTTPConfi
                           disable_radix_cache=args.disable_radix_cache),
         scheduler=SchedulerConfig(max_running_requests=args.max_running_requests,
                                   chunked_prefill_size=args.chunked_prefill_size,
-                                  schedule_policy=args.schedule_policy),
+                                  schedule_policy=args.schedule_policy,
+                                  disable_jump_forward=args.disable_jump_forward),
         seed=args.seed)
     http = HTTPConfig(host=args.host, port=args.port, api_key=args.api_key,
                       max_queued_requests=args.max_queued_requests,

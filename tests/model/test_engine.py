@@ -134,3 +134,17 @@ def test_invalid_requests_raise_before_queueing(tiny_engine):
         tiny_engine.generate(input_ids=[[1, 2], [10**9]])
     assert not tiny_engine.scheduler.has_work
     tiny_engine.scheduler.check_invariants()
+
+
+def test_choice_scoring_batch_shares_the_prefix(tiny_engine):
+    """select(): a batch of prefill-only prefix + choice_i requests with prompt logprobs reuses
+    the cached prefix for every choice and scores each choice's tokens."""
+    prefix = _prompts(1, seed=9, lo=40, hi=41)[0]
+    choices = [[101, 102], [103], [104, 105, 106]]
+    tiny_engine.generate(input_ids=prefix, sampling_params={"max_new_tokens": 0})  # the hint
+    outs = tiny_engine.generate(input_ids=[prefix + c for c in choices],
+                                sampling_params={"max_new_tokens": 0}, return_logprob=True,
+                                logprob_start_len=len(prefix))
+    for c, o in zip(choices, outs):
+        assert o["meta_info"]["cached_tokens"] == len(prefix) - 1
+        assert [t for _, t in o["meta_info"]["input_token_logprobs"]] == c
