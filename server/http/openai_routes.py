@@ -6,11 +6,12 @@ a final usage chunk when ``stream_options.include_usage``), ``user``, and the ex
 min_p, repetition_penalty, stop_token_ids, ignore_eos and min_tokens. Usage always reports
 ``prompt_tokens_details.cached_tokens``. ``response_format`` (json_object, json_schema)
 and the ``regex`` / ``json_schema`` extensions are enforced by grammar-constrained decoding;
-``tools`` is refused with a clear 400 until tool calling lands.
+``tools`` with ``tool_choice`` none/auto/required/named are handled in :mod:`server.http.tools`.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any
@@ -22,6 +23,7 @@ from server import protocol as P
 from server.http.responses import SSE_DONE, check_finish, collect, merge, openai_finish_reason, sse, usage
 from server.http.schemas import ChatCompletionRequest, CompletionRequest, _OpenAISampling
 from server.http.tokenizer_manager import ApiError, GenerateInput, TokenizerManager
+from server.http.tools import as_tool_call, call_schema, forced_names, parse_tools, tools_system_prompt
 from server.model.sampling import SamplingParams, SamplingParamsError
 
 router = APIRouter()
@@ -29,11 +31,6 @@ router = APIRouter()
 
 def _manager(request: Request) -> TokenizerManager:
     return request.app.state.manager
-
-
-def _refuse_unsupported(body: _OpenAISampling) -> None:
-    if body.tools:
-        raise ApiError(400, "'tools' is not supported yet", param="tools")
 
 
 def _constraint(body: _OpenAISampling) -> dict[str, Any]:
@@ -57,7 +54,8 @@ def _constraint(body: _OpenAISampling) -> dict[str, Any]:
     return {"regex": body.regex, "json_schema": body.json_schema}
 
 
-def _params(body: _OpenAISampling, max_tokens: int, seed_offset: int = 0) -> SamplingParams:
+def _params(body: _OpenAISampling, max_tokens: int, seed_offset: int = 0,
+            constraint: dict[str, Any] | None = None) -> SamplingParams:
     stop = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
     fields = {
         "max_new_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p,
@@ -68,7 +66,7 @@ def _params(body: _OpenAISampling, max_tokens: int, seed_offset: int = 0) -> Sam
         "min_new_tokens": body.min_tokens,
         "seed": None if body.seed is None else body.seed + seed_offset,
         "logit_bias": body.logit_bias,
-        **_constraint(body),
+        **(constraint if constraint is not None else _constraint(body)),
     }
     try:
         return SamplingParams.from_dict(fields)
@@ -124,7 +122,8 @@ def _completion_logprobs(manager: TokenizerManager, outs: list[P.ReqOutput], k: 
 @router.post("/v1/completions")
 async def completions(request: Request, body: CompletionRequest):
     manager = _manager(request)
-    _refuse_unsupported(body)
+    if body.tools:
+        raise ApiError(400, "'tools' is for /v1/chat/completions", param="tools")
     if body.suffix:
         raise ApiError(400, "'suffix' is not supported", param="suffix")
     prompts = _prompts(manager, body.prompt)
@@ -209,6 +208,11 @@ def _messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
                 texts.append(part.text)
             content = "".join(texts)
         role = "system" if m.role == "developer" else m.role
+        if m.tool_calls and not content:  # an earlier call, shown to the model as it wrote it
+            content = "\n".join(json.dumps({
+                "name": c.get("function", {}).get("name"),
+                "arguments": json.loads(c.get("function", {}).get("arguments") or "{}")})
+                for c in m.tool_calls)
         out.append({"role": role, "content": content or ""})
     return out
 
@@ -228,14 +232,35 @@ def _chat_logprobs(manager: TokenizerManager, outs: list[P.ReqOutput]) -> dict[s
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request, body: ChatCompletionRequest):
     manager = _manager(request)
-    _refuse_unsupported(body)
-    ids = manager.apply_chat_template(_messages(body))
+    tools = parse_tools(body.tools)
+    names = forced_names(tools, body.tool_choice)
+    messages = _messages(body)
+    constraint = None
+    if tools and names != []:
+        if not manager.template_renders_tools:
+            messages = [{"role": "system", "content": tools_system_prompt(tools)}] + messages
+        if names:
+            if body.response_format or body.regex or body.json_schema:
+                raise ApiError(400, "a forced tool call cannot be combined with another "
+                               "constraint", param="tool_choice")
+            constraint = {"json_schema": call_schema(tools, names)}
+    ids = manager.apply_chat_template(
+        messages, tools=[{"type": "function", "function": t} for t in tools.values()]
+        if tools and names != [] and manager.template_renders_tools else None)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
         else body.max_tokens
     if max_tokens is None:
         max_tokens = _default_max_tokens(manager, len(ids))
-    inputs = [GenerateInput(ids, _params(body, max_tokens, j), return_logprob=body.logprobs,
-                            top_logprobs_num=body.top_logprobs or 0) for j in range(body.n)]
+    inputs = [GenerateInput(ids, _params(body, max_tokens, j, constraint),
+                            return_logprob=body.logprobs, top_logprobs_num=body.top_logprobs or 0)
+              for j in range(body.n)]
+    use_tools = bool(tools) and names != []
+
+    def message(text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
+        call = as_tool_call(text, tools) if use_tools else None
+        if call is None:
+            return {"role": "assistant", "content": text}, finish
+        return {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"
     for inp in inputs:
         manager.validate(inp, {"max_new_tokens": "max_tokens", "input_ids": "messages"})
     streams = [manager.generate(inp) for inp in inputs]
@@ -246,6 +271,24 @@ async def chat_completions(request: Request, body: ChatCompletionRequest):
     def chunk(choices, **extra):
         return sse({"id": rid, "object": "chat.completion.chunk", "created": created,
                     "model": model, "choices": choices, **extra})
+
+    if body.stream and use_tools:  # a tool call is sent whole, once it is known to be one
+        async def tool_events():
+            last: dict[int, P.ReqOutput] = {}
+            async for i, out in merge(streams):
+                last[i] = out
+            for i, out in sorted(last.items()):
+                msg, finish = message(out.text, openai_finish_reason(out.finish_reason))
+                delta = {"role": "assistant", "content": msg["content"]}
+                if "tool_calls" in msg:
+                    delta["tool_calls"] = [{"index": 0, **msg["tool_calls"][0]}]
+                yield chunk([{"index": i, "delta": delta, "logprobs": None,
+                              "finish_reason": finish}])
+            if body.stream_options and body.stream_options.include_usage:
+                yield chunk([], usage=_usage(last.values()))
+            yield SSE_DONE
+
+        return StreamingResponse(tool_events(), media_type="text/event-stream")
 
     if body.stream:
         async def events():
@@ -272,8 +315,9 @@ async def chat_completions(request: Request, body: ChatCompletionRequest):
     choices = []
     for i, outs in enumerate(results):
         check_finish(outs[-1])
-        choices.append({"index": i, "message": {"role": "assistant", "content": outs[-1].text},
+        msg, finish = message(outs[-1].text, openai_finish_reason(outs[-1].finish_reason))
+        choices.append({"index": i, "message": msg,
                         "logprobs": _chat_logprobs(manager, outs) if body.logprobs else None,
-                        "finish_reason": openai_finish_reason(outs[-1].finish_reason)})
+                        "finish_reason": finish})
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
             "choices": choices, "usage": _usage([r[-1] for r in results])}

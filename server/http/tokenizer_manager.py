@@ -122,11 +122,16 @@ class TokenizerManager:
                            f"{exc.start})", param=param) from exc
         return self.tokenizer(text)["input_ids"]
 
-    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True
-                            ) -> list[int]:
+    @property
+    def template_renders_tools(self) -> bool:
+        return "tools" in (getattr(self.tokenizer, "chat_template", None) or "")
+
+    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> list[int]:
         try:
             text = self.tokenizer.apply_chat_template(
-                list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
+                list(messages), tokenize=False, add_generation_prompt=add_generation_prompt,
+                **({"tools": tools} if tools else {}))
         except Exception as exc:  # a template that rejects the conversation (e.g. roles)
             raise ApiError(400, f"the chat template rejected these messages: {exc}",
                            param="messages") from exc

@@ -138,7 +138,12 @@ def test_bad_sampling_values(healthy, field, value):
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tools": [{"type": "function"}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": 5}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "sometimes"},
+     "tool_choice"),
     ({"regex": "(unclosed"}, "regex"), ({"regex": ""}, "regex"),
     ({"json_schema": {"type": 5}}, "json_schema"),
     ({"json_schema": {"$ref": "#"}}, "json_schema"),
