@@ -21,6 +21,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -100,14 +101,18 @@ def _load_schema(value: Any) -> dict:
 
 
 def _is_recursive(schema: dict) -> bool:
-    """True when a local $ref (#/$defs/X, #/definitions/X) can reach itself."""
+    """True when a local $ref can reach itself: "#" (the whole schema) anywhere, or a cycle
+    among #/$defs/X and #/definitions/X."""
     defs = {**schema.get("definitions", {}), **schema.get("$defs", {})}
 
     def refs(node: Any) -> set[str]:
+        """Names referenced under ``node``; "#" stands for the root."""
         out: set[str] = set()
         if isinstance(node, dict):
             ref = node.get("$ref")
-            if isinstance(ref, str) and ref.startswith("#/"):
+            if ref == "#":
+                out.add("#")
+            elif isinstance(ref, str) and ref.startswith("#/"):
                 out.add(ref.rsplit("/", 1)[-1])
             for v in node.values():
                 out |= refs(v)
@@ -116,9 +121,9 @@ def _is_recursive(schema: dict) -> bool:
                 out |= refs(v)
         return out
 
-    edges = {name: refs(body) for name, body in defs.items()}
-    if '"$ref": "#"' in json.dumps(schema):  # a reference to the whole schema
+    if "#" in refs(schema):
         return True
+    edges = {name: refs(body) for name, body in defs.items()}
 
     def reaches(start: str) -> bool:
         seen, stack = set(), list(edges.get(start, ()))
@@ -167,8 +172,6 @@ class GrammarCompiler:
             hit = self._cache.get(spec)
         if hit is not None:
             return hit
-        import time
-
         start = time.perf_counter()
         future = self._pool.submit(self._compile, spec)
         try:
@@ -223,26 +226,29 @@ class Matcher:
     """One request's cursor in its grammar."""
 
     def __init__(self, matcher: Any, xgr: Any, vocab_size: int, extra_mask: Any = None):
+        import torch
+
         self._m = matcher
-        self._xgr = xgr
         self.vocab_size = vocab_size
         self._extra = extra_mask  # ANDed with the grammar's mask (see json_safe_mask)
+        # reused every step: [1, ceil(vocab / 32)] int32 bitmask and the bit shifts
+        self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+        self._shifts = torch.arange(32, dtype=torch.int32)
 
     def allowed_mask(self):
         """[vocab_size] bool tensor of the tokens the grammar allows next."""
-        import torch
-
-        bitmask = self._xgr.allocate_token_bitmask(1, self.vocab_size)
-        self._m.fill_next_token_bitmask(bitmask, 0)
-        bits = (bitmask[0].unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+        self._m.fill_next_token_bitmask(self._bitmask, 0)
+        bits = (self._bitmask[0].unsqueeze(-1) >> self._shifts) & 1
         mask = bits.view(-1)[:self.vocab_size].bool()
         return mask & self._extra if self._extra is not None else mask
 
     def accept(self, token_id: int) -> bool:
+        """Advance over ``token_id``; False (state unchanged) if the grammar rejects it."""
         return bool(self._m.accept_token(token_id))
 
     @property
     def terminated(self) -> bool:
+        """True once a stop token was accepted in an accepting state: the output is done."""
         return bool(self._m.is_terminated())
 
     def rollback(self, num_tokens: int) -> None:

@@ -16,16 +16,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from server import protocol as P
-from server.http.responses import SSE_DONE, check_finish, collect, merge, sse
+from server.http.responses import SSE_DONE, check_finish, collect, manager_of, merge, sse
 from server.http.schemas import AbortRequest, GenerateRequest
 from server.http.tokenizer_manager import ApiError, GenerateInput, TokenizerManager
 from server.model.sampling import SamplingParams, SamplingParamsError
 
 router = APIRouter()
-
-
-def _manager(request: Request) -> TokenizerManager:
-    return request.app.state.manager
 
 
 def _inputs(manager: TokenizerManager, body: GenerateRequest) -> tuple[list[GenerateInput], bool]:
@@ -97,7 +93,7 @@ class _Accumulator:
 
 @router.post("/generate")
 async def generate(request: Request, body: GenerateRequest):
-    manager = _manager(request)
+    manager = manager_of(request)
     inputs, single = _inputs(manager, body)
     for inp in inputs:
         manager.validate(inp)
@@ -125,7 +121,7 @@ async def generate(request: Request, body: GenerateRequest):
 
 @router.post("/flush_cache")
 async def flush_cache(request: Request):
-    if not await _manager(request).flush_cache():
+    if not await manager_of(request).flush_cache():
         raise ApiError(400, "the cache cannot be flushed while requests are running; retry when "
                        "idle", param=None)
     return {"flushed": True}
@@ -133,5 +129,5 @@ async def flush_cache(request: Request):
 
 @router.post("/abort_request")
 async def abort_request(request: Request, body: AbortRequest):
-    await _manager(request).abort(body.rid)
+    await manager_of(request).abort(body.rid)
     return {"aborted": body.rid}

@@ -20,17 +20,22 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from server import protocol as P
-from server.http.responses import SSE_DONE, check_finish, collect, merge, openai_finish_reason, sse, usage
+from server.http.responses import (
+    SSE_DONE,
+    check_finish,
+    collect,
+    manager_of,
+    merge,
+    openai_finish_reason,
+    sse,
+    usage,
+)
 from server.http.schemas import ChatCompletionRequest, CompletionRequest, _OpenAISampling
 from server.http.tokenizer_manager import ApiError, GenerateInput, TokenizerManager
 from server.http.tools import as_tool_call, call_schema, forced_names, parse_tools, tools_system_prompt
 from server.model.sampling import SamplingParams, SamplingParamsError
 
 router = APIRouter()
-
-
-def _manager(request: Request) -> TokenizerManager:
-    return request.app.state.manager
 
 
 def _constraint(body: _OpenAISampling) -> dict[str, Any]:
@@ -85,7 +90,7 @@ async def list_models(request: Request) -> dict:
     name = request.app.state.model_name
     return {"object": "list", "data": [{"id": name, "object": "model", "created": 0,
                                         "owned_by": "sgl-adapters",
-                                        "max_model_len": _manager(request).info.context_len}]}
+                                        "max_model_len": manager_of(request).info.context_len}]}
 
 
 # ---------------------------------------------------------------- /v1/completions
@@ -121,7 +126,7 @@ def _completion_logprobs(manager: TokenizerManager, outs: list[P.ReqOutput], k: 
 
 @router.post("/v1/completions")
 async def completions(request: Request, body: CompletionRequest):
-    manager = _manager(request)
+    manager = manager_of(request)
     if body.tools:
         raise ApiError(400, "'tools' is for /v1/chat/completions", param="tools")
     if body.suffix:
@@ -231,7 +236,7 @@ def _chat_logprobs(manager: TokenizerManager, outs: list[P.ReqOutput]) -> dict[s
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request, body: ChatCompletionRequest):
-    manager = _manager(request)
+    manager = manager_of(request)
     tools = parse_tools(body.tools)
     names = forced_names(tools, body.tool_choice)
     messages = _messages(body)

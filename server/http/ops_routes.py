@@ -16,8 +16,8 @@ from prometheus_client import (
     generate_latest,
 )
 
-from server.http.responses import error_response
-from server.http.tokenizer_manager import GenerateInput, TokenizerManager
+from server.http.responses import error_response, manager_of
+from server.http.tokenizer_manager import GenerateInput
 from server.model.sampling import SamplingParams
 
 router = APIRouter()
@@ -67,20 +67,16 @@ class ServerMetrics:
             self.client_aborts.inc()
 
 
-def _manager(request: Request) -> TokenizerManager:
-    return request.app.state.manager
-
-
 @router.get("/health")
 async def health(request: Request):
-    if not _manager(request).scheduler_alive:
+    if not manager_of(request).scheduler_alive:
         return error_response(503, "the scheduler process is not running", "server_error")
     return {"status": "ok"}
 
 
 @router.get("/health_generate")
 async def health_generate(request: Request):
-    manager = _manager(request)
+    manager = manager_of(request)
     if not manager.scheduler_alive:
         return error_response(503, "the scheduler process is not running", "server_error")
     inp = GenerateInput(manager.encode("ping"), SamplingParams(max_new_tokens=1, temperature=0))
@@ -93,7 +89,7 @@ async def health_generate(request: Request):
 @router.get("/metrics")
 async def metrics(request: Request):
     m: ServerMetrics = request.app.state.metrics
-    manager = _manager(request)
+    manager = manager_of(request)
     if manager.scheduler_alive:
         info = await manager.server_info()
         for k, g in m.gauges.items():
@@ -106,7 +102,7 @@ async def metrics(request: Request):
 @router.get("/model_info")
 @router.get("/get_model_info")
 async def model_info(request: Request):
-    info = _manager(request).info
+    info = manager_of(request).info
     return {"model_path": request.app.state.model_path, "served_model_name":
             request.app.state.model_name, "context_len": info.context_len,
             "vocab_size": info.vocab_size, "dtype": info.dtype, "is_generation": True}
@@ -115,7 +111,7 @@ async def model_info(request: Request):
 @router.get("/server_info")
 @router.get("/get_server_info")
 async def server_info(request: Request):
-    manager = _manager(request)
+    manager = manager_of(request)
     info = await manager.server_info()
     return {"max_total_tokens": manager.info.max_total_tokens, "metrics": info.metrics,
             "invariant_violations": info.invariant_violations,

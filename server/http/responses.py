@@ -12,9 +12,14 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from server import protocol as P
-from server.http.tokenizer_manager import ApiError
+from server.http.tokenizer_manager import ApiError, TokenizerManager
 
 DISCONNECT_POLL_S = 0.1
+
+
+def manager_of(request: Request) -> TokenizerManager:
+    """The app's TokenizerManager (kept on app.state: no module globals)."""
+    return request.app.state.manager
 
 
 def error_response(status: int, message: str, type: str = "invalid_request_error",

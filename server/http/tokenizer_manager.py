@@ -138,6 +138,7 @@ class TokenizerManager:
         return self.encode(text, param="messages")
 
     def decode(self, ids: Sequence[int]) -> str:
+        """Text of ``ids`` with special tokens kept (for logprob token strings)."""
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
 
     # ------------------------------------------------------------------ requests
@@ -209,6 +210,7 @@ class TokenizerManager:
             obs(event, seconds)
 
     async def abort(self, rid: str) -> None:
+        """Ask the scheduler to abort ``rid`` (a no-op there if unknown or finished)."""
         await self.send_sock.send(P.encode(P.AbortReq(rid, "aborted by /abort_request")))
 
     async def _ask(self, msg: P.Message, reply: type, timeout: float = 10.0):
@@ -222,9 +224,11 @@ class TokenizerManager:
                 raise ApiError(503, "the scheduler did not answer", type="server_error") from exc
 
     async def flush_cache(self) -> bool:
+        """Empty the radix cache; False when requests still hold KV. Raises ApiError(503)."""
         return (await self._ask(P.FlushCacheReq(), P.FlushCacheReply)).ok
 
     async def server_info(self) -> P.ServerInfoReply:
+        """Scheduler metrics and invariant-violation count. Raises ApiError(503)."""
         return await self._ask(P.ServerInfoReq(), P.ServerInfoReply)
 
 

@@ -44,12 +44,12 @@ def record_input_logprobs(req: Req, positions: Sequence[int], rows: Sequence[int
 
 def sample_and_append(sampler: Sampler, items: Sequence[tuple[Req, int]], logits: torch.Tensor,
                       context_len: int, jump_forward_tokenizer: Any = None
-                      ) -> list[tuple[Req, list[int], FinishReason | None]]:
+                      ) -> list[tuple[Req, int, FinishReason | None]]:
     """Sample one token for each (request, logits row); append it and check stop conditions.
     With ``jump_forward_tokenizer``, a constrained request may get a draft of forced tokens to
     verify in its next pass (see :mod:`server.constrained.jump_forward`).
 
-    Returns (request, appended token ids, finish reason or None) per item, in order.
+    Returns (request, sampled token, finish reason or None) per item, in order.
     """
     reqs = [r for r, _ in items]
     for r in reqs:
@@ -67,18 +67,16 @@ def sample_and_append(sampler: Sampler, items: Sequence[tuple[Req, int]], logits
             if req.logprobs.top_logprobs_num:
                 req.output_top_logprobs.append(
                     sampled.top_logprobs[i][:req.logprobs.top_logprobs_num])
-        reason = check_finished(req, tok, context_len, jump_forward_tokenizer)
-        out.append((req, req.output_ids[req.output_ids_before_step:], reason))
+        out.append((req, tok, check_finished(req, tok, context_len, jump_forward_tokenizer)))
     return out
 
 
 def check_finished(req: Req, tok: int, context_len: int,
                    jump_forward_tokenizer: Any = None) -> FinishReason | None:
-    """Stop conditions after appending ``tok``; advances the grammar (possibly jumping forward
-    over a forced string) and feeds the detokenizer (not the stop token). A grammar that
-    rejects the token ends the request with an error."""
+    """Stop conditions after appending ``tok``; advances the grammar and feeds the detokenizer
+    (not the stop token). A grammar that rejects the token ends the request with an error.
+    With ``jump_forward_tokenizer``, sets ``req.draft`` to the tokens the grammar forces next."""
     p = req.params
-    req.output_ids_before_step = len(req.output_ids) - 1
     if req.grammar is not None:
         if not req.grammar.accept(tok):
             return FinishReason("error", message=f"the grammar rejected token {tok}")

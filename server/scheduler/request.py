@@ -74,16 +74,15 @@ class Req:
     num_admissions: int = 0
     grammar: Any = None  # server.constrained.grammar.Matcher for constrained requests
     draft: list[int] = field(default_factory=list)  # forced tokens to verify next pass
-    output_ids_before_step: int = 0
     passed_steps: int = 0  # scheduling steps in which later arrivals were admitted first
     finish_reason: FinishReason | None = None
-    arrival_time: float = field(default_factory=time.monotonic)
+    arrival_time: float = field(default_factory=time.monotonic)  # seconds, monotonic clock
+    finish_time: float | None = None
     # logprob results: lists of (logprob | None, token_id), and top-k lists per position
     input_token_logprobs: list[tuple[float | None, int]] = field(default_factory=list)
     input_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     output_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
-    num_retractions: int = 0
 
     def __post_init__(self) -> None:
         self.sampling = SamplingState(self.params, self.input_ids, self.output_ids,

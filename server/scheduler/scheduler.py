@@ -30,6 +30,7 @@ Errors: :class:`InvalidRequestError` (``server.scheduler.validation``) from
 from __future__ import annotations
 
 import random
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -352,19 +353,18 @@ class Scheduler:
                     continue
             to_sample.append((req, rows[-1]))
         if to_sample:
-            for req, new_ids, reason in sample_and_append(
+            for req, tok, reason in sample_and_append(
                     self.sampler, to_sample, out.logits, self.context_len,
                     self.jump_forward_tokenizer):
-                self.stats.generated_tokens += len(new_ids)
-                self.stats.jump_forward_tokens += len(new_ids) - 1
+                self.stats.generated_tokens += 1
                 if reason is not None:
-                    deltas.append(self._finish(req, reason, new_ids))
+                    deltas.append(self._finish(req, reason, [tok]))
                     continue
                 if req.draft:  # forced tokens: verify them all in one extend pass
                     self.running.remove(req)
                     req.status = ReqStatus.PREFILLING
                     self.prefilling.append(req)
-                deltas.append(TokenDelta(req.rid, new_ids, self._stream_text(req)))
+                deltas.append(TokenDelta(req.rid, [tok], self._stream_text(req)))
         return deltas
 
     def _verify_draft(self, req: Req, rows: list[int], logits: torch.Tensor) -> TokenDelta:
@@ -374,11 +374,10 @@ class Scheduler:
         produced: list[int] = []
         reason = None
         for i, row in enumerate(rows):
-            (_, new_ids, reason), = sample_and_append(self.sampler, [(req, row)], logits,
-                                                      self.context_len,
-                                                      self.jump_forward_tokenizer)
-            produced += new_ids
-            if reason is not None or i >= len(drafts) or new_ids[-1] != drafts[i]:
+            (_, tok, reason), = sample_and_append(self.sampler, [(req, row)], logits,
+                                                  self.context_len, self.jump_forward_tokenizer)
+            produced.append(tok)
+            if reason is not None or i >= len(drafts) or tok != drafts[i]:
                 break
         req.computed_len = req.fill_len - 1  # the last token's KV is computed next pass
         self.cache.truncate_alloc(req)
@@ -402,6 +401,7 @@ class Scheduler:
         self._release(req)
         req.status = ReqStatus.FINISHED
         req.finish_reason = reason
+        req.finish_time = time.monotonic()
         self.reqs.pop(req.rid, None)
         self.stats.finished_requests += 1
         return TokenDelta(req.rid, new_ids or [], req.text, reason)

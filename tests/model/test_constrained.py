@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from server.constrained.grammar import GrammarError, GrammarSpec, make_spec
 from server.engine import Engine
-from server.model.sampling import SamplingParamsError
+from server.model.sampling import SamplingParams, SamplingParamsError
 
 PADDED_VOCAB = 49152 + 96  # the tokenizer has 49152 tokens; the model pads its vocabulary
 
@@ -102,8 +102,6 @@ def test_compile_cache_compiles_once(padded_engine):
 ])
 def test_bad_specs_raise_typed_errors(kwargs, param):
     with pytest.raises(SamplingParamsError) as err:
-        from server.model.sampling import SamplingParams
-
         SamplingParams(**kwargs)
     assert err.value.param == param
 
@@ -118,8 +116,7 @@ def test_matcher_failure_ends_only_that_request(padded_engine, monkeypatch):
     """A matcher that rejects a token mid-generation (a fault we cannot cause otherwise) ends
     only its request, with an error; the others in the batch finish normally."""
     prompt = padded_engine.encode("Answer:")
-    bad = padded_engine.make_request(prompt, __import__("server.model.sampling", fromlist=["x"])
-                                     .SamplingParams(regex="[a-z]+", max_new_tokens=8))
+    bad = padded_engine.make_request(prompt, SamplingParams(regex="[a-z]+", max_new_tokens=8))
     monkeypatch.setattr(bad.grammar, "accept", lambda tok: False)
     good = padded_engine.make_request(prompt, bad.params)
     outs = padded_engine.run([bad, good])

@@ -148,3 +148,15 @@ def test_choice_scoring_batch_shares_the_prefix(tiny_engine):
     for c, o in zip(choices, outs):
         assert o["meta_info"]["cached_tokens"] == len(prefix) - 1
         assert [t for _, t in o["meta_info"]["input_token_logprobs"]] == c
+
+
+def test_e2e_latency_is_per_request(tiny_engine):
+    outs = tiny_engine.generate(input_ids=_prompts(2, seed=12, lo=5, hi=6),
+                                sampling_params={"max_new_tokens": 1, "temperature": 0})
+    long = tiny_engine.make_request(_prompts(1, seed=13)[0], tiny_engine_params(
+        {"max_new_tokens": 64, "temperature": 0, "ignore_eos": True}))
+    short = tiny_engine.make_request(_prompts(1, seed=14)[0], tiny_engine_params(
+        {"max_new_tokens": 1, "temperature": 0}))
+    a, b = tiny_engine.run([long, short])
+    assert 0 < b["meta_info"]["e2e_latency"] < a["meta_info"]["e2e_latency"]
+    assert all(o["meta_info"]["e2e_latency"] > 0 for o in outs)

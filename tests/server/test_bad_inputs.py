@@ -4,6 +4,11 @@ error body, and afterwards the server still answers /health_generate and its KV 
 
 from __future__ import annotations
 
+import json
+import re
+import threading
+import time
+
 import pytest
 
 CHAT = "/v1/chat/completions"
@@ -155,9 +160,9 @@ def test_bad_sampling_values(healthy, field, value):
 ])
 def test_bad_constraints(healthy, extra, param):
     with healthy.client() as c:
-        start = __import__("time").monotonic()
+        start = time.monotonic()
         check_error(c.post(CHAT, json={"messages": MSG, **extra}), 400, param)
-        assert __import__("time").monotonic() - start < 10  # within the compile budget
+        assert time.monotonic() - start < 10  # within the compile budget
 
 
 def test_bad_native_choices(healthy):
@@ -171,14 +176,13 @@ def test_constraints_hold_on_the_tiny_model(healthy):
     with healthy.client() as c:
         r = c.post(GEN, json={"text": "n:", "sampling_params": {
             "regex": "[0-9]{3}", "max_new_tokens": 8, "temperature": 1.0}}).json()
-        assert __import__("re").fullmatch("[0-9]{3}", r["text"]), r
+        assert re.fullmatch("[0-9]{3}", r["text"]), r
         r = c.post(CHAT, json={"messages": MSG, "max_tokens": 100, "response_format": {
             "type": "json_schema", "json_schema": {"name": "p", "strict": True, "schema": {
                 "type": "object", "properties": {"ok": {"type": "boolean"}},
                 "required": ["ok"], "additionalProperties": False}}}}).json()
         if r["choices"][0]["finish_reason"] == "stop":
-            assert isinstance(__import__("json").loads(r["choices"][0]["message"]["content"])
-                              ["ok"], bool)
+            assert isinstance(json.loads(r["choices"][0]["message"]["content"])["ok"], bool)
 
 
 def test_bad_native_sampling_params(healthy):
@@ -190,15 +194,11 @@ def test_bad_native_sampling_params(healthy):
 
 
 def test_duplicate_request_id_rejected(healthy):
-    import threading
-
     with healthy.client() as c:
         slow = {"text": "hold", "rid": "dup-1", "sampling_params": {
             "max_new_tokens": 200, "ignore_eos": True}}
         t = threading.Thread(target=lambda: healthy.client().post(GEN, json=slow))
         t.start()
-        import time
-
         time.sleep(0.3)
         resp = c.post(GEN, json={"text": "again", "rid": "dup-1"})
         t.join()
