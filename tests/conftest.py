@@ -10,6 +10,7 @@ import torch
 
 from server.model.loader import default_model_path, load_model
 from tests.helpers import tiny_config
+from tests.live_server import ServerProcess
 
 
 @pytest.fixture(scope="session")
@@ -64,3 +65,21 @@ def default_engine():
     from server.engine import Engine
 
     return Engine(max_total_tokens=16384, dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def tiny_server(make_tiny_model):
+    """A server on the tiny random Llama (fp32), shared by most tests."""
+    path, _ = make_tiny_model("llama")
+    server = ServerProcess("--model", path, "--dtype", "float32", "--max-total-tokens", "4096",
+                           "--context-length", "512")
+    yield server
+    assert server.stop() == 0, "".join(server.log[-40:])
+
+
+@pytest.fixture(scope="session")
+def default_server():
+    """A server on the embedded SmolLM2-135M-Instruct."""
+    server = ServerProcess("--max-total-tokens", "16384")
+    yield server
+    assert server.stop() == 0, "".join(server.log[-40:])

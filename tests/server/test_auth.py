@@ -9,7 +9,7 @@ import pytest
 
 from server.http.app import create_app
 from server.http.auth import OPEN_PATHS, is_authorized
-from tests.server.conftest import ServerProcess
+from tests.live_server import ServerProcess
 
 KEY = "sk-test-123"
 

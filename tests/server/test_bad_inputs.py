@@ -96,7 +96,7 @@ def test_prompt_over_the_context_reports_both_numbers(healthy):
 
 
 def test_prompt_larger_than_the_kv_pool(make_tiny_model):
-    from tests.server.conftest import ServerProcess
+    from tests.live_server import ServerProcess
 
     path, _ = make_tiny_model("llama")
     server = ServerProcess("--model", path, "--dtype", "float32", "--max-total-tokens", "64",

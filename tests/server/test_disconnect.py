@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from tests.server.conftest import wait_idle
+from tests.live_server import wait_idle
 
 LONG = {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}
 

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from tests.server.conftest import ServerProcess
+from tests.live_server import ServerProcess
 
 
 @pytest.fixture
