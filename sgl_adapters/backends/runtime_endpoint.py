@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 from typing import Any, Iterator
 
@@ -80,7 +81,7 @@ class RuntimeEndpoint:
         if sp.return_logprob:
             body.update(return_logprob=True, top_logprobs_num=sp.top_logprobs_num or 0)
         if call.images:
-            body["image_data"] = list(call.images)
+            body["image_data"] = [_image_data(x) for x in call.images]
         return body
 
     def generate(self, call: GenCall) -> GenResult:
@@ -150,6 +151,13 @@ class RuntimeEndpoint:
 
     def shutdown(self) -> None:
         self._http.close()
+
+
+def _image_data(image: str | bytes) -> str:
+    """``image_data`` as SGLang sends it: a path/URL/data-URL string, or base64 of raw bytes."""
+    if isinstance(image, bytes):
+        return "data:application/octet-stream;base64," + base64.b64encode(image).decode()
+    return image
 
 
 def _error_message(r: httpx.Response) -> str:

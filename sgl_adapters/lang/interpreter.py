@@ -55,6 +55,7 @@ class StreamExecutor:
         self.role: str | None = None
         self.role_start = 0
         self.spec_buffer = ""
+        self.spec_ended = False  # the buffer ends where the model ended (EOS)
         self.finished = False  # the program will submit nothing more
         self.children: list[StreamExecutor] = []  # forks, ended with this stream
         self._pending = 0
@@ -196,8 +197,9 @@ class StreamExecutor:
         if not self.spec_buffer:
             budget = max(self.num_api_spec_tokens, sampling.max_tokens or 0)
             wide = dataclasses.replace(sampling, stop=None, max_tokens=budget)
-            self.spec_buffer = self.backend.generate(self._call(wide)).text
-        taken = speculative.take_gen(self.spec_buffer, stops)
+            result = self.backend.generate(self._call(wide))
+            self.spec_buffer, self.spec_ended = result.text, _ended_by_eos(result.meta)
+        taken = speculative.take_gen(self.spec_buffer, stops, self.spec_ended)
         if taken is None:
             self.spec_buffer = ""
             return None
@@ -335,6 +337,13 @@ class ProgramState:
 
     def __repr__(self) -> str:
         return f"ProgramState({self.text()!r})"
+
+
+def _ended_by_eos(meta: dict[str, Any]) -> bool:
+    """finish_reason "stop" of a call sent without stop strings: the model's end of sequence
+    (native API: {"type": "stop"}; OpenAI API: "stop")."""
+    reason = meta.get("finish_reason")
+    return (reason.get("type") if isinstance(reason, dict) else reason) == "stop"
 
 
 def _available(ex: StreamExecutor, name: str | None) -> int:

@@ -6,7 +6,8 @@ N tokens without its stop strings. The gen takes the text up to its stop; what f
 a buffer. Each later constant is checked against the buffer and consumed when it matches; each
 later gen takes the buffer up to its own stop. Any mismatch drops the buffer and the program
 goes on with normal calls, so results never depend on speculation: only the number of calls
-(and prompt tokens billed) does. These functions are pure; the interpreter owns the buffer.
+(and prompt tokens billed) does. If the speculative call ended with the model's end of
+sequence, the last gen may take the rest of the buffer without its stop. These functions are pure; the interpreter owns the buffer.
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ def consume_text(buffer: str, text: str) -> str:
     return ""
 
 
-def take_gen(buffer: str, stops: tuple[str, ...]) -> tuple[str, str] | None:
-    """(value, rest of the buffer) for a gen ending at the first of ``stops`` in ``buffer``;
-    None when no stop occurs (the gen's end is not known yet: make a real call)."""
+def take_gen(buffer: str, stops: tuple[str, ...], ended: bool = False) -> tuple[str, str] | None:
+    """(value, rest of the buffer) for a gen ending at the first of ``stops`` in ``buffer``.
+    When no stop occurs: the whole buffer if the speculative call ``ended`` with the model's own
+    end of sequence (a real call would end there too), else None (make a real call)."""
     hits = [i for i in (buffer.find(s) for s in stops) if i >= 0]
     if not hits:
-        return None
+        return (buffer, "") if ended and buffer else None
     end = min(hits)
     return buffer[:end], buffer[end:]

@@ -132,6 +132,7 @@ def test_choice_token_count_includes_the_boundary_token():
 def test_speculation_matching():
     assert take_gen("Alice\nAge: 30\n", ("\n",)) == ("Alice", "\nAge: 30\n")
     assert take_gen("Alice", ("\n",)) is None
+    assert take_gen("Alice", ("\n",), ended=True) == ("Alice", "")  # the model stopped there
     assert consume_text("\nAge: 30\n", "\nAge: ") == "30\n"
     assert consume_text("\nAge: 30\n", "\nCity: ") == ""  # mismatch drops the buffer
     assert consume_text("\nAg", "\nAge: ") == ""
