@@ -7,7 +7,8 @@ a buffer. Each later constant is checked against the buffer and consumed when it
 later gen takes the buffer up to its own stop. Any mismatch drops the buffer and the program
 goes on with normal calls, so results never depend on speculation: only the number of calls
 (and prompt tokens billed) does. If the speculative call ended with the model's end of
-sequence, the last gen may take the rest of the buffer without its stop. These functions are pure; the interpreter owns the buffer.
+sequence, the last gen may take the rest of the buffer without its stop. These functions are
+pure; the interpreter owns the buffer.
 """
 
 from __future__ import annotations
