@@ -41,9 +41,11 @@ class SGLangLM(dspy.LM):
                  api_key: str | None = None, temperature: float | None = None,
                  max_tokens: int | None = None, cache: bool = True, num_retries: int = 3,
                  lowering: bool = True, timeout: float = 600.0, **kwargs: Any):
-        engine = SGLangEngine(base_url, api_key=api_key, model=model, lowering=lowering,
-                              timeout=timeout)
-        super().__init__(model, engine=engine, async_engine=AsyncSGLangEngine(engine),
+        # dspy's load_state passes back the engines it restored from dump_state
+        engine = kwargs.pop("engine", None) or SGLangEngine(
+            base_url, api_key=api_key, model=model, lowering=lowering, timeout=timeout)
+        async_engine = kwargs.pop("async_engine", None) or AsyncSGLangEngine(engine)
+        super().__init__(model, engine=engine, async_engine=async_engine,
                          temperature=temperature, max_tokens=max_tokens, cache=cache,
                          num_retries=num_retries, **kwargs)
 

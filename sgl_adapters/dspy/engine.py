@@ -253,6 +253,13 @@ class AsyncSGLangEngine:
     def __init__(self, sync: SGLangEngine):
         self.sync = sync
 
+    def dump_state(self) -> dict[str, Any]:
+        return self.sync.dump_state()
+
+    @classmethod
+    def load_state(cls, state: dict[str, Any]) -> AsyncSGLangEngine:
+        return cls(SGLangEngine.load_state(state))
+
     async def complete(self, request) -> Response:
         return await asyncio.to_thread(self.sync.complete, request)
 

@@ -1,0 +1,202 @@
+"""The DSPy adapter with real dspy (3.4.x) against a live bundled server on the default model."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import json
+from typing import Literal
+
+import pydantic
+import pytest
+
+dspy = pytest.importorskip("dspy")
+
+from sgl_adapters.dspy import SGLangLM  # noqa: E402
+from sgl_adapters.dspy.lowering import plan_fields  # noqa: E402
+
+pytestmark = pytest.mark.default_model
+
+
+class Color(enum.Enum):
+    RED = "red"
+    BLUE = "blue"
+
+
+class City(pydantic.BaseModel):
+    name: str
+    country: str
+
+
+class Typed(dspy.Signature):
+    """Extract facts from the text."""
+
+    text: str = dspy.InputField()
+    sentiment: Literal["positive", "negative"] = dspy.OutputField()
+    is_question: bool = dspy.OutputField()
+    year: int = dspy.OutputField()
+    score: float = dspy.OutputField()
+    color: Color = dspy.OutputField()
+    city: City = dspy.OutputField()
+    tags: list[str] = dspy.OutputField()
+
+
+TEXTS = ["I loved my trip to Paris in 2019, the sky was so blue.",
+         "Was the 1998 Rome marathon a disaster?", "Berlin in 2021 was grey and cold.",
+         "What a wonderful red sunset over Madrid in 2005!"]
+
+
+@pytest.fixture
+def lm(default_server):
+    lm = SGLangLM(base_url=default_server.url, cache=False, temperature=0.0, max_tokens=64)
+    with dspy.context(lm=lm, adapter=None):
+        yield lm
+
+
+def _assert_typed(pred) -> None:
+    assert pred.sentiment in ("positive", "negative")
+    assert isinstance(pred.is_question, bool) and isinstance(pred.year, int)
+    assert isinstance(pred.score, float) and isinstance(pred.color, Color)
+    assert isinstance(pred.city, City) and isinstance(pred.tags, list)
+
+
+def test_lowering_recognises_chat_adapter_requests():
+    msgs = dspy.ChatAdapter().format(Typed, [], {"text": "x"})
+    fields = plan_fields(msgs[0]["content"], msgs[-1]["content"])
+    kinds = {f.name: (f.kind, f.choices) for f in fields}
+    assert [f.name for f in fields] == list(Typed.output_fields)
+    assert kinds["sentiment"] == ("select", ("positive", "negative"))
+    assert kinds["is_question"] == ("select", ("True", "False"))
+    assert kinds["year"][0] == "int" and kinds["score"][0] == "float"
+    assert kinds["color"] == ("select", ("red", "blue"))
+    assert kinds["city"][0] == "json" and kinds["tags"][0] == "json"
+    cot = dspy.ChatAdapter().format(dspy.ChainOfThought(Typed).predict.signature, [], {"text": "x"})
+    assert plan_fields(cot[0]["content"], cot[-1]["content"])[0].name == "reasoning"
+    assert plan_fields("no skeleton", "Respond with whatever") is None
+
+
+def test_predict_and_chain_of_thought_typed(lm):
+    pred = dspy.Predict(Typed)(text=TEXTS[0])
+    _assert_typed(pred)
+    usage = lm.history[-1]["usage"]
+    assert usage["prompt_tokens"] > 100 and usage["completion_tokens"] > 0
+    cot = dspy.ChainOfThought(Typed)(text=TEXTS[1])
+    _assert_typed(cot)
+    assert isinstance(cot.reasoning, str)
+    assert len(lm.history) == 2  # one call each: no JSONAdapter fallback
+
+
+def test_few_shot_demos_share_the_prefix(lm):
+    qa = dspy.Predict("question -> answer: Literal['yes', 'no']")
+    qa.demos = [dspy.Example(question="Is fire cold?", answer="no"),
+                dspy.Example(question="Is ice cold?", answer="yes")]
+    first = qa(question="Is the sun hot?")
+    second = qa(question="Is snow hot?")
+    assert {first.answer, second.answer} <= {"yes", "no"}
+    assert lm.history[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 100
+
+
+@pytest.mark.slow
+def test_typed_outputs_always_parse_over_100_calls(lm):
+    program = dspy.Predict(Typed)
+    examples = [dspy.Example(text=f"{TEXTS[i % 4]} (note {i})").with_inputs("text")
+                for i in range(100)]
+    preds = program.batch(examples, num_threads=8, max_errors=0)
+    assert len(preds) == 100
+    for p in preds:
+        _assert_typed(p)
+    assert len(lm.history) == 100  # exactly one LM call per example: no fallback calls
+
+
+def test_batch_of_32_computes_the_prefix_once(lm):
+    program = dspy.Predict("question -> answer: Literal['yes', 'no']")
+    program.demos = [dspy.Example(question=f"Is {x} a number?", answer="yes" if x.isdigit()
+                                  else "no") for x in ("7", "cat", "42", "blue")]
+    engine = lm.sglang_engine
+    sent = engine.hints.sent
+    examples = [dspy.Example(question=f"Is item {i} a number?").with_inputs("question")
+                for i in range(32)]
+    preds = program.batch(examples, num_threads=8)
+    assert all(p.answer in ("yes", "no") for p in preds)
+    assert engine.hints.sent == sent + 1  # the shared prefix was hinted once
+    usages = [h["usage"] for h in lm.history[-32:]]
+    prompt = min(u["prompt_tokens"] for u in usages)
+    # Every call, the first ones included, found instructions + skeleton + demos cached: only
+    # its last user turn (question and the output-format reminder, ~80 tokens) was new.
+    cached = [u["prompt_tokens_details"]["cached_tokens"] for u in usages]
+    assert min(cached) > 0.75 * prompt
+
+
+def test_async_and_streaming(lm):
+    program = dspy.Predict("question -> answer: Literal['yes', 'no'], detail: str")
+
+    async def run_async():
+        return await program.acall(question="Is water wet?")
+
+    pred = asyncio.run(run_async())
+    assert pred.answer in ("yes", "no")
+
+    streaming = dspy.streamify(program, stream_listeners=[
+        dspy.streaming.StreamListener(signature_field_name="detail")])
+
+    async def collect():
+        chunks, final = [], None
+        async for item in streaming(question="Is the sea salty?"):
+            if isinstance(item, dspy.streaming.StreamResponse):
+                chunks.append(item.chunk)
+            elif isinstance(item, dspy.Prediction):
+                final = item
+        return chunks, final
+
+    chunks, final = asyncio.run(collect())
+    assert final is not None and final.answer in ("yes", "no")
+    assert chunks and "".join(chunks).strip() == final.detail.strip()
+
+
+def test_evaluate_small_devset(lm):
+    devset = [dspy.Example(question=q, answer=a).with_inputs("question") for q, a in
+              [("Is Paris in France?", "yes"), ("Is Rome in Spain?", "no"),
+               ("Is Berlin in Germany?", "yes"), ("Is Madrid in Italy?", "no")]]
+    program = dspy.Predict("question -> answer: Literal['yes', 'no']")
+    result = dspy.Evaluate(devset=devset, metric=lambda ex, pred, trace=None: ex.answer == pred.answer,
+                           num_threads=2, display_progress=False)(program)
+    assert 0 <= result.score <= 100 and len(result.results) == 4
+
+
+def test_lowering_off_is_plain_chat_adapter(default_server):
+    lm = SGLangLM(base_url=default_server.url, cache=False, temperature=0.0, max_tokens=64,
+                  lowering=False)
+    with dspy.context(lm=lm, adapter=None):
+        program = dspy.Predict("question -> answer: Literal['yes', 'no']")
+        try:
+            program(question="Is the sky blue?")
+        except Exception:  # noqa: BLE001 - a 135M model may fail ChatAdapter's format
+            pass
+    assert lm.history and "sglang" not in json.dumps(lm.history[0]["kwargs"])
+
+
+def test_json_adapter_schema_is_enforced(default_server):
+    lm = SGLangLM(base_url=default_server.url, cache=False, temperature=0.0, max_tokens=96,
+                  lowering=False)
+    with dspy.context(lm=lm, adapter=dspy.JSONAdapter()):
+        pred = dspy.Predict("text -> city: City, year: int")(text=TEXTS[2])
+    assert isinstance(pred.city, City) and isinstance(pred.year, int)
+    assert len(lm.history) == 1
+
+
+def test_save_and_load_program_holding_the_lm(lm, tmp_path):
+    program = dspy.Predict("question -> answer: Literal['yes', 'no']")
+    program.set_lm(lm)
+    path = tmp_path / "program.json"
+    program.save(str(path), save_program=False)
+    loaded = dspy.Predict("question -> answer: Literal['yes', 'no']")
+    loaded.load(str(path), allow_unsafe_lm_state=True)
+    assert loaded(question="Is ice cold?").answer in ("yes", "no")
+    assert loaded.lm.engine.base_url == lm.engine.base_url
+
+
+def test_server_errors_become_dspy_errors(default_server):
+    lm = SGLangLM(base_url="http://127.0.0.1:9", cache=False, num_retries=0, timeout=5)
+    with dspy.context(lm=lm, adapter=None), pytest.raises(Exception) as info:
+        dspy.Predict("q -> a: int")(q="1+1?")
+    assert "127.0.0.1:9" in str(info.value) or "connect" in str(info.value).lower()
