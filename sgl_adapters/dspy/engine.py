@@ -19,18 +19,20 @@ import uuid
 from typing import Any, Iterator
 
 from dspy.lm15 import (
+    InvalidRequestError,
     Message,
     Response,
+    ServerError,
     StreamDeltaEvent,
     StreamEndEvent,
     StreamStartEvent,
     TextDelta,
     TextPart,
     ToolCallPart,
+    TransportError,
     Usage,
     response_to_events,
 )
-from dspy.lm15 import InvalidRequestError, ServerError, TransportError
 
 import sgl_adapters as sgl
 from sgl_adapters.dspy.lowering import lowered_program, plan_fields
