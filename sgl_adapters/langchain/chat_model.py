@@ -1,0 +1,326 @@
+"""``ChatSGLang``: a LangChain chat model for the bundled server.
+
+It overrides the methods ``BaseChatModel`` defines (``_generate``, ``_agenerate``, ``_stream``,
+``_astream``, ``bind_tools``, ``with_structured_output``) and talks to the server's OpenAI route
+with the ``openai`` client. What makes it more than ``ChatOpenAI(base_url=...)``:
+
+* tools with ``tool_choice`` any/required/<name> and structured output (``json_schema``,
+  ``function_calling``, ``json_mode``) are enforced by the server's grammar, so calls and
+  objects always validate, even on a 135M model;
+* ``batch``/``abatch`` find the prompt prefix all inputs share (system prompt, few-shot
+  messages, retrieved context), send it once as a prefill-only cache hint, then run the
+  requests concurrently, so the prefix is computed once;
+* ``usage_metadata.input_token_details.cache_read`` reports the server's cached tokens.
+"""
+
+from __future__ import annotations
+
+import os
+from operator import itemgetter
+from typing import Any, AsyncIterator, Iterator, Literal, Sequence
+
+import openai
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.language_models import BaseChatModel, LangSmithParams, LanguageModelInput
+from langchain_core.messages import BaseMessage
+from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
+from langchain_core.output_parsers.openai_tools import (
+    JsonOutputKeyToolsParser,
+    PydanticToolsParser,
+)
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from langchain_core.runnables import Runnable, RunnableConfig, RunnableMap, RunnablePassthrough
+from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
+from langchain_core.utils.pydantic import is_basemodel_subclass
+from pydantic import ConfigDict, Field, PrivateAttr, SecretStr
+
+from sgl_adapters.backends.runtime_endpoint import RuntimeEndpoint
+from sgl_adapters.langchain.messages import chunk_from_openai, from_openai, to_openai
+from sgl_adapters.lang.hints import PrefixHints
+
+
+def _api_key_from_env() -> SecretStr | None:
+    key = os.environ.get("SGLANG_API_KEY")
+    return SecretStr(key) if key else None
+
+
+class ChatSGLang(BaseChatModel):
+    """Chat model for the bundled server (``python -m server``).
+
+    Example::
+
+        llm = ChatSGLang(base_url="http://127.0.0.1:30000", temperature=0)
+        llm.invoke("Hello")
+        llm.with_structured_output(Person).invoke("Ada Lovelace, 36")   # always a Person
+    """
+
+    model: str = Field(default="default", alias="model_name")
+    base_url: str = "http://127.0.0.1:30000"
+    api_key: SecretStr | None = Field(default_factory=_api_key_from_env)
+    temperature: float | None = None
+    max_tokens: int | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    stop: list[str] | None = Field(default=None, alias="stop_sequences")
+    seed: int | None = None
+    timeout: float | None = 600.0
+    max_retries: int = 2
+    streaming: bool = False
+    n: int = 1
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    _client: Any = PrivateAttr(default=None)
+    _async_client: Any = PrivateAttr(default=None)
+    _hints: PrefixHints | None = PrivateAttr(default=None)
+
+    # Not lc-serializable: langchain-core 1.x's load() only revives classes on its own
+    # allowlist (langchain_core.load.mapping), so the round trip cannot work for a third-party
+    # package; the standard suite's test_serdes skips itself for that reason.
+
+    @property
+    def lc_secrets(self) -> dict[str, str]:
+        return {"api_key": "SGLANG_API_KEY"}
+
+    # -- clients -------------------------------------------------------------------------------
+    def _client_kwargs(self) -> dict[str, Any]:
+        key = self.api_key.get_secret_value() if self.api_key else "EMPTY"
+        return {"base_url": self.base_url.rstrip("/") + "/v1", "api_key": key,
+                "timeout": self.timeout, "max_retries": self.max_retries}
+
+    @property
+    def client(self) -> openai.OpenAI:
+        if self._client is None:
+            self._client = openai.OpenAI(**self._client_kwargs())
+        return self._client
+
+    @property
+    def async_client(self) -> openai.AsyncOpenAI:
+        if self._async_client is None:
+            self._async_client = openai.AsyncOpenAI(**self._client_kwargs())
+        return self._async_client
+
+    @property
+    def hints(self) -> PrefixHints:
+        if self._hints is None:
+            key = self.api_key.get_secret_value() if self.api_key else None
+            self._hints = PrefixHints(RuntimeEndpoint(self.base_url, api_key=key,
+                                                      timeout=self.timeout or 600.0))
+        return self._hints
+
+    # -- LangChain metadata --------------------------------------------------------------------
+    @property
+    def _llm_type(self) -> str:
+        return "sglang-chat"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {"model": self.model, "base_url": self.base_url, **self._default_params()}
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        params = LangSmithParams(ls_provider="sglang", ls_model_name=kwargs.get("model",
+                                                                                self.model),
+                                 ls_model_type="chat")
+        if self.temperature is not None:
+            params["ls_temperature"] = kwargs.get("temperature", self.temperature)
+        if self.max_tokens is not None:
+            params["ls_max_tokens"] = kwargs.get("max_tokens", self.max_tokens)
+        if stop or self.stop:
+            params["ls_stop"] = stop or self.stop
+        return params
+
+    # -- requests ------------------------------------------------------------------------------
+    def _default_params(self) -> dict[str, Any]:
+        out = {k: getattr(self, k) for k in ("temperature", "max_tokens", "top_p", "seed")
+               if getattr(self, k) is not None}
+        extra = {k: getattr(self, k) for k in ("top_k", "min_p") if getattr(self, k) is not None}
+        if extra:
+            out["extra_body"] = extra
+        if self.n != 1:
+            out["n"] = self.n
+        if self.logprobs:
+            out["logprobs"] = True
+            if self.top_logprobs is not None:
+                out["top_logprobs"] = self.top_logprobs
+        return out
+
+    def _request(self, messages: list[BaseMessage], stop: list[str] | None,
+                 kwargs: dict[str, Any]) -> dict[str, Any]:
+        body = {"model": self.model, **self._default_params(), **kwargs,
+                "messages": [to_openai(m) for m in messages]}
+        if stop or self.stop:
+            body["stop"] = stop or self.stop
+        for key in ("top_k", "min_p", "regex", "json_schema"):
+            if key in kwargs:
+                body.setdefault("extra_body", {})[key] = body.pop(key)
+        return body
+
+    def _result(self, resp: Any) -> ChatResult:
+        gens = [ChatGeneration(message=from_openai(c, resp.model or self.model,
+                                                   resp.usage if i == 0 else None),
+                               generation_info={"finish_reason": c.finish_reason})
+                for i, c in enumerate(resp.choices)]
+        return ChatResult(generations=gens, llm_output={"model_name": resp.model or self.model})
+
+    def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                  run_manager: CallbackManagerForLLMRun | None = None,
+                  **kwargs: Any) -> ChatResult:
+        if self.streaming:
+            return _merge_chunks(self._stream(messages, stop, run_manager, **kwargs))
+        return self._result(self.client.chat.completions.create(
+            **self._request(messages, stop, kwargs)))
+
+    async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                         run_manager: AsyncCallbackManagerForLLMRun | None = None,
+                         **kwargs: Any) -> ChatResult:
+        if self.streaming:
+            return _merge_chunks([c async for c in self._astream(messages, stop, run_manager,
+                                                                 **kwargs)])
+        resp = await self.async_client.chat.completions.create(
+            **self._request(messages, stop, kwargs))
+        return self._result(resp)
+
+    def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                run_manager: CallbackManagerForLLMRun | None = None,
+                **kwargs: Any) -> Iterator[ChatGenerationChunk]:
+        body = {**self._request(messages, stop, kwargs), "stream": True,
+                "stream_options": {"include_usage": True}}
+        for raw in self.client.chat.completions.create(**body):
+            chunk = self._chunk(raw)
+            if chunk is not None:
+                if run_manager:
+                    run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+                yield chunk
+
+    async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                       run_manager: AsyncCallbackManagerForLLMRun | None = None,
+                       **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
+        body = {**self._request(messages, stop, kwargs), "stream": True,
+                "stream_options": {"include_usage": True}}
+        async for raw in await self.async_client.chat.completions.create(**body):
+            chunk = self._chunk(raw)
+            if chunk is not None:
+                if run_manager:
+                    await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+                yield chunk
+
+    def _chunk(self, raw: Any) -> ChatGenerationChunk | None:
+        message = chunk_from_openai(raw, raw.model or self.model)
+        if message is None:
+            return None
+        info = ({"finish_reason": message.response_metadata["finish_reason"]}
+                if "finish_reason" in message.response_metadata else None)
+        return ChatGenerationChunk(message=message, generation_info=info)
+
+    # -- batches share their prefix ------------------------------------------------------------
+    def _hint_shared_prefix(self, inputs: Sequence[LanguageModelInput]) -> None:
+        if len(inputs) < 2:
+            return
+        try:
+            template = self.hints.backend.chat_template
+            texts = []
+            for value in inputs:
+                msgs = self._convert_input(value).to_messages()
+                turns = [to_openai(m) for m in msgs]
+                if any(not isinstance(t["content"], str) or t["role"] not in template.roles
+                       for t in turns):
+                    return
+                head = "" if turns and turns[0]["role"] == "system" else template.default_system
+                texts.append(head + "".join(template.prefix(t["role"]) + t["content"]
+                                            + template.suffix(t["role"]) for t in turns))
+        except Exception:  # noqa: BLE001 - a hint is only an optimisation
+            return
+        self.hints.ensure(os.path.commonprefix(texts))
+
+    def batch(self, inputs: list[LanguageModelInput], config: RunnableConfig | list[RunnableConfig]
+              | None = None, *, return_exceptions: bool = False, **kwargs: Any) -> list[Any]:
+        self._hint_shared_prefix(inputs)
+        return super().batch(inputs, config, return_exceptions=return_exceptions, **kwargs)
+
+    async def abatch(self, inputs: list[LanguageModelInput], config: RunnableConfig
+                     | list[RunnableConfig] | None = None, *, return_exceptions: bool = False,
+                     **kwargs: Any) -> list[Any]:
+        import asyncio
+
+        await asyncio.to_thread(self._hint_shared_prefix, inputs)
+        return await super().abatch(inputs, config, return_exceptions=return_exceptions,
+                                    **kwargs)
+
+    # -- tools and structured output -----------------------------------------------------------
+    def bind_tools(self, tools: Sequence[Any], *, tool_choice: str | bool | dict | None = None,
+                   **kwargs: Any) -> Runnable[LanguageModelInput, BaseMessage]:
+        """Bind tools; ``tool_choice``: "auto", "none", "any"/"required" (some call), a tool
+        name (that call), True (the only tool). Forced calls are grammar-enforced."""
+        formatted = [convert_to_openai_tool(t) for t in tools]
+        if tool_choice is not None:
+            names = [t["function"]["name"] for t in formatted]
+            if tool_choice is True:
+                if len(names) != 1:
+                    raise ValueError("tool_choice=True needs exactly one tool")
+                tool_choice = names[0]
+            if tool_choice == "any":
+                tool_choice = "required"
+            if isinstance(tool_choice, str) and tool_choice not in ("auto", "none", "required"):
+                if tool_choice not in names:
+                    raise ValueError(f"tool_choice {tool_choice!r} is not one of {names}")
+                tool_choice = {"type": "function", "function": {"name": tool_choice}}
+            kwargs["tool_choice"] = tool_choice
+        return super().bind(tools=formatted, **kwargs)
+
+    def with_structured_output(self, schema: Any, *, include_raw: bool = False,
+                               method: Literal["json_schema", "function_calling",
+                                               "json_mode"] = "json_schema",
+                               strict: bool | None = None,
+                               **kwargs: Any) -> Runnable[LanguageModelInput, Any]:
+        """Outputs that always validate: the schema becomes a grammar on the server.
+        ``schema``: pydantic class, TypedDict or JSON-schema dict (None for json_mode)."""
+        if kwargs:
+            raise ValueError(f"unexpected arguments {sorted(kwargs)}")
+        is_pydantic = isinstance(schema, type) and is_basemodel_subclass(schema)
+        if method == "function_calling":
+            tool = convert_to_openai_tool(schema)
+            name = tool["function"]["name"]
+            llm = self.bind_tools([schema], tool_choice=name, ls_structured_output_format={
+                "kwargs": {"method": method, "strict": strict}, "schema": tool})
+            parser: Runnable = (PydanticToolsParser(tools=[schema], first_tool_only=True)
+                                if is_pydantic else
+                                JsonOutputKeyToolsParser(key_name=name, first_tool_only=True))
+        elif method == "json_schema":
+            if schema is None:
+                raise ValueError("method='json_schema' needs a schema")
+            json_schema = (schema.model_json_schema() if hasattr(schema, "model_json_schema")
+                           else convert_to_json_schema(schema))
+            name = json_schema.get("title", "output")
+            llm = self.bind(response_format={"type": "json_schema", "json_schema": {
+                "name": name, "schema": json_schema, "strict": True if strict is None
+                else strict}}, ls_structured_output_format={
+                "kwargs": {"method": method, "strict": strict}, "schema": json_schema})
+            parser = (PydanticOutputParser(pydantic_object=schema) if is_pydantic
+                      else JsonOutputParser())
+        elif method == "json_mode":
+            llm = self.bind(response_format={"type": "json_object"}, ls_structured_output_format={
+                "kwargs": {"method": method}, "schema": schema})
+            parser = (PydanticOutputParser(pydantic_object=schema) if is_pydantic
+                      else JsonOutputParser())
+        else:
+            raise ValueError(f"unknown method {method!r}")
+        if not include_raw:
+            return llm | parser
+        parsed = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser,
+                                            parsing_error=lambda _: None)
+        fallback = RunnablePassthrough.assign(parsed=lambda _: None)
+        return RunnableMap(raw=llm) | parsed.with_fallbacks([fallback],
+                                                            exception_key="parsing_error")
+
+
+def _merge_chunks(chunks) -> ChatResult:
+    merged = None
+    for chunk in chunks:
+        merged = chunk if merged is None else merged + chunk
+    if merged is None:
+        raise ValueError("the stream returned no chunks")
+    return ChatResult(generations=[ChatGeneration(message=merged.message,
+                                                  generation_info=merged.generation_info)])

@@ -1,0 +1,205 @@
+"""ChatSGLang with real langchain-core against a live bundled server on the default model:
+LangChain's own standard test suites, plus structured output, tools and batch prefix reuse."""
+
+from __future__ import annotations
+
+import pydantic
+import pytest
+
+pytest.importorskip("langchain_core")
+langchain_tests = pytest.importorskip("langchain_tests")
+
+from langchain_core.tools import tool  # noqa: E402
+from langchain_tests.integration_tests import ChatModelIntegrationTests  # noqa: E402
+from langchain_tests.unit_tests import ChatModelUnitTests  # noqa: E402
+
+from sgl_adapters.langchain import ChatSGLang  # noqa: E402
+
+
+class TestChatSGLangUnit(ChatModelUnitTests):
+    @property
+    def chat_model_class(self):
+        return ChatSGLang
+
+    @property
+    def chat_model_params(self) -> dict:
+        return {"model": "default", "temperature": 0}
+
+    @property
+    def init_from_env_params(self):
+        return ({"SGLANG_API_KEY": "secret"}, {}, {"api_key": "secret"})
+
+
+@pytest.mark.default_model
+class TestChatSGLangIntegration(ChatModelIntegrationTests):
+    url = ""
+
+    @pytest.fixture(autouse=True)
+    def _server(self, default_server):
+        type(self).url = default_server.url
+
+    @property
+    def chat_model_class(self):
+        return ChatSGLang
+
+    @property
+    def chat_model_params(self) -> dict:
+        return {"model": "default", "base_url": self.url, "temperature": 0, "max_tokens": 256}
+
+    @property
+    def has_tool_choice(self) -> bool:
+        return True
+
+    @property
+    def supports_json_mode(self) -> bool:
+        return True
+
+    @property
+    def returns_usage_metadata(self) -> bool:
+        return True
+
+    @property
+    def supported_usage_metadata_details(self):
+        return {"invoke": ["cache_read_input"], "stream": ["cache_read_input"]}
+
+    # Tests that need more than a 135M model can do. The grammar keeps every token valid JSON,
+    # but greedy SmolLM2-135M repeats itself inside the free-text "setup" string of the suite's
+    # Joke schema ("sampu, sampu, ...") until max_tokens, so the object is cut before
+    # "punchline" (the TypedDict and JSON-schema variants of the same test pass).
+    _LOOPS = ("SmolLM2-135M loops inside the Joke's free-text 'setup' string until max_tokens, "
+              "so the JSON is cut before 'punchline'")
+
+    # The suite requires a method-level xfail on any override, so the passing TypedDict and
+    # JSON-schema variants report XPASS.
+    @pytest.mark.xfail(reason=_LOOPS + " (pydantic variant only)")
+    @pytest.mark.parametrize("schema_type", ["pydantic", "typeddict", "json_schema"])
+    def test_structured_output(self, model, schema_type) -> None:
+        super().test_structured_output(model, schema_type)
+
+    @pytest.mark.xfail(reason=_LOOPS + " (pydantic variant only)")
+    @pytest.mark.parametrize("schema_type", ["pydantic", "typeddict", "json_schema"])
+    async def test_structured_output_async(self, model, schema_type) -> None:
+        await super().test_structured_output_async(model, schema_type)
+
+    @pytest.mark.xfail(reason=_LOOPS)
+    def test_structured_output_pydantic_2_v1(self, model) -> None:
+        super().test_structured_output_pydantic_2_v1(model)
+
+    @pytest.mark.xfail(reason=_LOOPS + " (json_mode gives the model no schema at all)")
+    def test_json_mode(self, model) -> None:
+        super().test_json_mode(model)
+
+    @pytest.mark.parametrize("model", [{}, {"output_version": "v1"}], indirect=True)
+    @pytest.mark.xfail(reason="with tool_choice='auto' SmolLM2-135M answers 'What is the weather "
+                       "in San Francisco?' in text instead of calling get_weather (forced "
+                       "calls are grammar-enforced and pass: test_tool_calling, tool_choice)")
+    def test_agent_loop(self, model) -> None:
+        super().test_agent_loop(model)
+
+    def invoke_with_cache_read_input(self, *, stream: bool = False):
+        llm = self.chat_model_class(**self.chat_model_params)
+        messages = [("system", "You answer questions about the solar system. " * 20),
+                    ("user", "How many planets are there?")]
+        llm.invoke(messages)  # computes the prefix; the second call reads it from the cache
+        if not stream:
+            return llm.invoke(messages)
+        total = None
+        for chunk in llm.stream(messages):
+            total = chunk if total is None else total + chunk
+        return total
+
+
+class Person(pydantic.BaseModel):
+    name: str
+    age: int = pydantic.Field(ge=0, le=150)
+
+
+@tool
+def add(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+
+@tool
+def weather(city: str) -> str:
+    """Current weather in a city."""
+    return "sunny"
+
+
+@pytest.fixture
+def llm(default_server):
+    return ChatSGLang(base_url=default_server.url, temperature=0, max_tokens=64)
+
+
+@pytest.mark.default_model
+@pytest.mark.slow
+def test_structured_output_validates_50_of_50(llm):
+    structured = llm.with_structured_output(Person)
+    names = ["Ada", "Alan", "Grace", "Linus", "Barbara"]
+    inputs = [f"{names[i % 5]} is {20 + i} years old. Describe the person." for i in range(50)]
+    results = structured.batch(inputs, config={"max_concurrency": 8})
+    assert len(results) == 50 and all(isinstance(r, Person) for r in results)
+
+
+@pytest.mark.default_model
+def test_structured_output_methods_and_include_raw(llm):
+    schema = {"title": "City", "type": "object", "properties": {"city": {"type": "string"}},
+              "required": ["city"], "additionalProperties": False}
+    for method in ("json_schema", "function_calling", "json_mode"):
+        out = llm.with_structured_output(Person, method=method).invoke(
+            "Grace Hopper was 85. Reply in JSON with name and age.")
+        assert isinstance(out, Person)
+    out = llm.with_structured_output(schema, include_raw=True).invoke("Paris is nice.")
+    assert out["parsing_error"] is None and isinstance(out["parsed"]["city"], str)
+    assert out["raw"].usage_metadata["input_tokens"] > 0
+
+
+@pytest.mark.default_model
+def test_tool_choice_any_always_calls_with_valid_args(llm):
+    bound = llm.bind_tools([add, weather], tool_choice="any")
+    prompts = ["What is 2 plus 3?", "Is it raining in Oslo?", "Hello!", "Tell me a joke."]
+    for msg in bound.batch(prompts):
+        assert len(msg.tool_calls) >= 1
+        call = msg.tool_calls[0]
+        tool_ = {"add": add, "weather": weather}[call["name"]]
+        tool_.args_schema.model_validate(call["args"])
+    named = llm.bind_tools([add, weather], tool_choice="weather").invoke("2+2?")
+    assert [c["name"] for c in named.tool_calls] == ["weather"]
+    with pytest.raises(ValueError):
+        llm.bind_tools([add], tool_choice="nope")
+
+
+@pytest.mark.default_model
+def test_batch_of_32_computes_the_shared_prefix_once(llm):
+    system = "You are a meticulous assistant for a library catalogue. " * 12
+    inputs = [[("system", system), ("user", f"Is book {i} on the shelf?")] for i in range(32)]
+    sent = llm.hints.sent
+    results = llm.batch(inputs, config={"max_concurrency": 8})
+    assert llm.hints.sent == sent + 1
+    cached = [r.usage_metadata["input_token_details"]["cache_read"] for r in results]
+    prompt = min(r.usage_metadata["input_tokens"] for r in results)
+    assert min(cached) > 0.8 * prompt  # every request, the first ones too, found it cached
+
+
+@pytest.mark.default_model
+def test_stream_marks_the_last_chunk_and_reports_usage(llm):
+    chunks = list(llm.stream("Count to five."))
+    assert chunks[-1].chunk_position == "last"
+    total = chunks[0]
+    for c in chunks[1:]:
+        total += c
+    assert total.content and total.usage_metadata["output_tokens"] > 0
+    assert total.response_metadata["finish_reason"] in ("stop", "length")
+
+
+def test_ls_params_honour_a_per_call_model():
+    llm = ChatSGLang(temperature=0.5, max_tokens=10)
+    params = llm._get_ls_params(model="other")
+    assert params["ls_model_name"] == "other" and params["ls_provider"] == "sglang"
+    assert params["ls_temperature"] == 0.5 and params["ls_max_tokens"] == 10
+
+
+def test_default_requests_send_no_optional_fields():
+    llm = ChatSGLang()
+    body = llm._request([], None, {})
+    assert body == {"model": "default", "messages": []}
