@@ -35,8 +35,8 @@ from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import ConfigDict, Field, PrivateAttr, SecretStr
 
 from sgl_adapters.backends.runtime_endpoint import RuntimeEndpoint
-from sgl_adapters.langchain.messages import chunk_from_openai, from_openai, to_openai
 from sgl_adapters.lang.hints import PrefixHints
+from sgl_adapters.langchain.messages import chunk_from_openai, from_openai, to_openai
 
 
 def _api_key_from_env() -> SecretStr | None:
