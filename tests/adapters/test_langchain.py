@@ -203,3 +203,31 @@ def test_default_requests_send_no_optional_fields():
     llm = ChatSGLang()
     body = llm._request([], None, {})
     assert body == {"model": "default", "messages": []}
+
+
+def test_program_runnable_puts_fork_and_select_in_a_chain(tiny_server):
+    import sgl_adapters as sgl
+    from langchain_core.runnables import RunnableLambda
+
+    from sgl_adapters.langchain.program import ProgramRunnable
+
+    @sgl.function
+    def pick(s, question):
+        s += sgl.user(question)
+        forks = s.fork(3)
+        for f in forks:
+            f += sgl.assistant(sgl.gen("answer", max_tokens=4, ignore_eos=True))
+        forks.join()
+        s += sgl.user("Best?") + sgl.assistant(sgl.select("best", ["1", "2", "3"]))
+
+    backend = sgl.RuntimeEndpoint(tiny_server.url)
+    chain = RunnableLambda(lambda q: {"question": q.upper()}) | ProgramRunnable(
+        pick, backend, outputs=["answer", "best"], temperature=0.8)
+    out = chain.invoke("which?")
+    assert len(out["answer"]) == 3 and out["best"] in ("1", "2", "3")
+    outs = chain.batch(["a?", "b?"])
+    assert all(o["best"] in ("1", "2", "3") for o in outs)
+    bad = ProgramRunnable(pick, sgl.RuntimeEndpoint("http://127.0.0.1:9", timeout=2))
+    with pytest.raises(sgl.ProgramError) as info:  # the fork meets the unreachable server
+        bad.invoke({"question": "x"})
+    assert isinstance(info.value.__cause__, sgl.BackendError)
