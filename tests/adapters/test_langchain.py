@@ -206,9 +206,9 @@ def test_default_requests_send_no_optional_fields():
 
 
 def test_program_runnable_puts_fork_and_select_in_a_chain(tiny_server):
-    import sgl_adapters as sgl
     from langchain_core.runnables import RunnableLambda
 
+    import sgl_adapters as sgl
     from sgl_adapters.langchain.program import ProgramRunnable
 
     @sgl.function
