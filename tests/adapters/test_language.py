@@ -79,8 +79,10 @@ def test_run_defaults_and_gen_keywords_merge(tiny):
 
 
 def test_constrained_gens_give_parseable_values(tiny):
-    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
-              "additionalProperties": False}
+    # bounded lengths: sampled digits of an unbounded integer could outrun max_tokens
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"},
+                                               "tag": {"enum": ["a", "b"]}},
+              "required": ["ok", "tag"], "additionalProperties": False}
 
     @sgl.function
     def prog(s):
