@@ -28,7 +28,9 @@ from dspy.lm15 import (
     StreamStartEvent,
     TextDelta,
     TextPart,
+    TokenLogprob,
     ToolCallPart,
+    TopLogprob,
     TransportError,
     Usage,
     response_to_events,
@@ -202,7 +204,17 @@ class SGLangEngine:
         usage = Usage(input_tokens=u.prompt_tokens, output_tokens=u.completion_tokens,
                       cache_read_tokens=cached)
         return Response(id=resp.id, model=self.model, message=Message.assistant(parts),
-                        finish_reason=_FINISH.get(choice.finish_reason, "stop"), usage=usage)
+                        finish_reason=_FINISH.get(choice.finish_reason, "stop"), usage=usage,
+                        logprobs=_logprobs(choice.logprobs))
+
+
+def _logprobs(logprobs: Any) -> tuple | None:
+    """OpenAI choice logprobs as lm15 TokenLogprobs (None when not requested)."""
+    if logprobs is None or not logprobs.content:
+        return None
+    return tuple(TokenLogprob(token=t.token, logprob=float(t.logprob), top=tuple(
+        TopLogprob(token=a.token, logprob=float(a.logprob)) for a in t.top_logprobs or ()))
+        for t in logprobs.content)
 
 
 def _openai_kwargs(request, model: str) -> dict[str, Any]:

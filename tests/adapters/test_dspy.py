@@ -200,3 +200,15 @@ def test_server_errors_become_dspy_errors(default_server):
     with dspy.context(lm=lm, adapter=None), pytest.raises(Exception) as info:
         dspy.Predict("q -> a: int")(q="1+1?")
     assert "127.0.0.1:9" in str(info.value) or "connect" in str(info.value).lower()
+
+
+def test_n_candidates_and_logprobs(default_server):
+    lm = SGLangLM(base_url=default_server.url, cache=False, temperature=0.8, max_tokens=32)
+    with dspy.context(lm=lm, adapter=None):
+        pred = dspy.Predict("question -> answer: Literal['yes', 'no']", n=3)(question="Is ice cold?")
+    assert len(pred.completions.answer) == 3
+    assert all(a in ("yes", "no") for a in pred.completions.answer)
+    plain = SGLangLM(base_url=default_server.url, cache=False, temperature=0.0, max_tokens=8,
+                     lowering=False)
+    out = plain("Say hi", logprobs=True, top_logprobs=2)
+    assert out and isinstance(out[0], dict) and out[0]["logprobs"] is not None
