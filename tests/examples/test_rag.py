@@ -1,0 +1,109 @@
+"""examples/rag: the data loader, BM25 retrieval, the metrics, and each pipeline on 5 questions
+through a live server on the tiny random model (answers are noise; the plumbing is real)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+
+pytest.importorskip("bm25s")
+
+from examples.rag import metrics  # noqa: E402
+from examples.rag.__main__ import evaluate, main  # noqa: E402
+from examples.rag.data import SHARED, Passage, Question, load, mixed  # noqa: E402
+from examples.rag.retrieval import Retriever  # noqa: E402
+
+has_shared = pytest.mark.skipif(not (SHARED and __import__("os").path.isdir(SHARED)),
+                                reason="../shared/data/wiki_rag is not next to the repository")
+
+PASSAGES = [
+    {"id": "p0", "title": "Tesla", "text": "Nikola Tesla received signals in Colorado Springs in "
+     "1899.", "source": "squad"},
+    {"id": "p1", "title": None, "text": "Ethanol fuel has a lower energy density than gasoline.",
+     "source": "boolq"},
+    {"id": "p2", "title": "Harvard", "text": "The Harvard-Yale Regatta is held on the Thames "
+     "River in Connecticut.", "source": "squad"},
+]
+QUESTIONS = [
+    {"id": "q0", "question": "Where is the Harvard-Yale Regatta held?", "answers": ["Thames River"],
+     "answer_type": "span", "gold_passage_id": "p2", "source": "squad"},
+    {"id": "q1", "question": "does ethanol have more energy than gasoline", "answers": ["no"],
+     "answer_type": "yes_no", "gold_passage_id": "p1", "source": "boolq"},
+    {"id": "q2", "question": "When did Tesla receive signals?", "answers": ["1899"],
+     "answer_type": "span", "gold_passage_id": "p0", "source": "squad"},
+    {"id": "q3", "question": "is the regatta held in connecticut", "answers": ["yes"],
+     "answer_type": "yes_no", "gold_passage_id": "p2", "source": "boolq"},
+    {"id": "q4", "question": "Who received signals in Colorado Springs?",
+     "answers": ["Nikola Tesla", "Tesla"], "answer_type": "span", "gold_passage_id": "p0",
+     "source": "squad"},
+]
+
+
+@pytest.fixture
+def data_dir(tmp_path):
+    for name, rows in (("passages", PASSAGES), ("questions", QUESTIONS)):
+        with gzip.open(tmp_path / f"{name}.jsonl.gz", "wt") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+    return str(tmp_path)
+
+
+def test_loader_from_a_data_dir(data_dir):
+    passages, questions = load(data_dir)
+    assert passages[0] == Passage("p0", "Tesla", PASSAGES[0]["text"], "squad")
+    assert questions[1] == Question("q1", QUESTIONS[1]["question"], ("no",), "yes_no", "p1",
+                                    "boolq")
+    assert [q.answer_type for q in mixed(questions, 4)] == ["span", "yes_no"] * 2
+    with pytest.raises(FileNotFoundError, match="--data-dir"):
+        load(data_dir + "/missing")
+
+
+@has_shared
+def test_loader_and_bm25_on_the_real_corpus(tmp_path):
+    passages, questions = load()
+    assert len(passages) == 3741 and len(questions) == 3416
+    retriever = Retriever(passages, cache_dir=str(tmp_path))
+    sample = mixed(questions, 40)
+    recall = sum(q.gold_passage_id in {p.id for p in retriever.search(q.question, 3)}
+                 for q in sample) / len(sample)
+    assert recall > 0.5
+    again = Retriever(passages, cache_dir=str(tmp_path))  # loaded from the on-disk cache
+    assert again.cached and again.search(sample[0].question, 3) == retriever.search(
+        sample[0].question, 3)
+
+
+def test_bm25_ranks_the_matching_passage_first(data_dir, tmp_path):
+    passages, _ = load(data_dir)
+    retriever = Retriever(passages, cache_dir=str(tmp_path))
+    assert retriever.search("Harvard Yale regatta Thames", 1)[0].id == "p2"
+    assert retriever.search("ethanol energy gasoline", 2)[0].id == "p1"
+
+
+def test_squad_metrics():
+    assert metrics.exact_match("the Thames River.", ("Thames River",)) == 1.0
+    assert metrics.f1("Thames", ("Thames River",)) == pytest.approx(2 / 3)
+    assert metrics.yes_no_correct("Yes", ("yes",)) == 1.0
+
+
+@pytest.mark.parametrize("pipeline", ["sgl", "dspy", "langchain"])
+def test_each_pipeline_on_5_questions(pipeline, data_dir, tmp_path, tiny_server):
+    if pipeline == "dspy":
+        pytest.importorskip("dspy")
+    passages, questions = load(data_dir)
+    retriever = Retriever(passages, cache_dir=str(tmp_path))
+    result = evaluate(pipeline, questions, retriever, 2, tiny_server.url)
+    summary = result["summary"]
+    assert summary["questions"] == 5 and len(result["rows"]) == 5
+    assert summary["retrieval_recall"] >= 0.6
+    yes_no = [r for r in result["rows"] if r["answer_type"] == "yes_no"]
+    assert all(r["prediction"] in ("yes", "no") for r in yes_no)  # select / Literal lowering
+    assert summary["cache_hit_rate"] is not None and summary["cache_hit_rate"] > 0
+
+
+def test_cli_writes_results(data_dir, tmp_path, tiny_server, capsys):
+    out = tmp_path / "results.jsonl"
+    main(["--pipeline", "sgl", "--n", "4", "--k", "2", "--base-url", tiny_server.url,
+          "--data-dir", data_dir, "--out", str(out)])
+    assert len(out.read_text().splitlines()) == 4
+    assert "summary:" in capsys.readouterr().out
