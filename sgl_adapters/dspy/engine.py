@@ -111,9 +111,7 @@ class SGLangEngine:
         yield StreamStartEvent(id=None, model=self.model)
         state = self._start(request, system, turns, fields, stream=True)
         t = self.backend.chat_template
-        skip = len(self._turn_text("system", system) + "".join(self._turn_text(r, x)
-                                                                 for r, x in turns)
-                   + t.prefix("assistant"))
+        skip = len(t.render([("system", system), *turns]) + t.prefix("assistant"))
         hold = len(t.suffix("assistant"))  # the turn's closing marker is not content
         text, sent = "", 0
         for chunk in state.text_iter():
@@ -145,17 +143,12 @@ class SGLangEngine:
 
     def _start(self, request, system, turns, fields, stream: bool):
         cfg = request.config
-        self.hints.ensure(self._turn_text("system", system)
-                          + "".join(self._turn_text(r, t) for r, t in turns[:-1]))
+        self.hints.ensure(self.backend.chat_template.render([("system", system), *turns[:-1]]))
         sampling = {k: getattr(cfg, k) for k in ("temperature", "top_p", "top_k", "seed",
                                                   "frequency_penalty", "presence_penalty")
                     if getattr(cfg, k, None) is not None and k != "seed"}
         return lowered_program.run(system, turns, fields, cfg.max_tokens or DEFAULT_MAX_TOKENS,
                                    backend=self.backend, stream=stream, **sampling)
-
-    def _turn_text(self, role: str, text: str) -> str:
-        t = self.backend.chat_template
-        return t.prefix(role) + text + t.suffix(role)
 
     def _run_lowered(self, request, system, turns, fields) -> Response:
         return self._response(self._start(request, system, turns, fields, stream=False))
@@ -182,10 +175,10 @@ class SGLangEngine:
         turns = [{"role": m.role, "content": m.text or ""} for m in request.messages]
         system = _text_of(request.system)
         messages = ([{"role": "system", "content": system}] if system else []) + turns
-        if len(messages) > 1:
-            self.hints.ensure(self.backend.chat_template.default_system * (not system) + "".join(
-                self._turn_text(m["role"], m["content"]) for m in messages[:-1]
-                if m["role"] in ("system", "user", "assistant")))
+        template = self.backend.chat_template
+        if len(messages) > 1 and all(m["role"] in template.roles for m in messages):
+            self.hints.ensure(template.render([(m["role"], m["content"])
+                                               for m in messages[:-1]]))
         try:
             resp = self.client.chat.completions.create(messages=messages, **kw)
         except self._openai.APIStatusError as exc:

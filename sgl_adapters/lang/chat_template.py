@@ -12,6 +12,7 @@ does) keep doing so through :attr:`ChatTemplate.default_system`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 _SENTINEL = "\x1eSGL{}\x1e"
 
@@ -29,6 +30,17 @@ class ChatTemplate:
 
     def suffix(self, role: str) -> str:
         return self.roles[role][1]
+
+    def turn(self, role: str, content: str) -> str:
+        """One role turn as text. Raises KeyError for a role the template does not have."""
+        return self.roles[role][0] + content + self.roles[role][1]
+
+    def render(self, turns: Sequence[tuple[str, str]]) -> str:
+        """``(role, content)`` turns as the template renders them without a generation prompt,
+        including the default system turn when the conversation does not start with one.
+        Raises KeyError for an unknown role."""
+        head = self.default_system if turns and turns[0][0] != "system" else ""
+        return head + "".join(self.turn(r, c) for r, c in turns)
 
     @classmethod
     def plain(cls) -> ChatTemplate:

@@ -15,7 +15,6 @@ the variables they produced back into the parent.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import queue
 import threading
@@ -23,6 +22,7 @@ from typing import Any, AsyncIterator, Iterator
 
 from sgl_adapters.backends.base import Backend, GenCall, GenResult
 from sgl_adapters.lang import ir, speculative
+from sgl_adapters.lang.scopes import RoleScopes, StateGroup
 
 _END = object()
 
@@ -235,11 +235,15 @@ class StreamExecutor:
         return child
 
 
-class ProgramState:
-    """The ``s`` of a program: append with ``+=``, read variables with ``s[name]``."""
+class ProgramState(RoleScopes):
+    """The ``s`` of a program: append with ``+=``, read variables with ``s[name]``, open a
+    role with ``with s.user(): ...``."""
 
     def __init__(self, executor: StreamExecutor):
         self._ex = executor
+
+    def _submit(self, expr: ir.Expr) -> None:
+        self._ex.submit(expr)
 
     def __iadd__(self, other: Any) -> ProgramState:
         self._ex.submit(ir.to_expr(other))
@@ -281,22 +285,6 @@ class ProgramState:
     def variables(self) -> dict[str, Any]:
         self._ex.sync()
         return dict(self._ex.variables)
-
-    @contextlib.contextmanager
-    def _role(self, role: str):
-        self._ex.submit(ir.RoleBegin(role))
-        yield self
-        self._ex.submit(ir.RoleEnd(role))
-
-    def system(self):
-        """``with s.system(): s += ...``"""
-        return self._role("system")
-
-    def user(self):
-        return self._role("user")
-
-    def assistant(self):
-        return self._role("assistant")
 
     def fork(self, size: int) -> ProgramStateGroup:
         """``size`` states continuing from this one. The shared prefix is sent once as a cache
@@ -356,26 +344,12 @@ def _done(ex: StreamExecutor, name: str | None) -> bool:
     return name in ex.variables or ex._pending == 0
 
 
-class ProgramStateGroup:
+class ProgramStateGroup(StateGroup):
     """The states made by :meth:`ProgramState.fork`; ``forks += expr`` appends to each."""
 
     def __init__(self, parent: ProgramState, states: list[ProgramState]):
-        self.parent, self.states = parent, states
+        super().__init__(parent, states)
         self._start = {id(s): (len(s._ex.text), set(s._ex.variables)) for s in states}
-
-    def __len__(self) -> int:
-        return len(self.states)
-
-    def __getitem__(self, i: int) -> ProgramState:
-        return self.states[i]
-
-    def __iter__(self) -> Iterator[ProgramState]:
-        return iter(self.states)
-
-    def __iadd__(self, other: Any) -> ProgramStateGroup:
-        for s in self.states:
-            s += other
-        return self
 
     def join(self, mode: str = "gather_variable") -> None:
         """Wait for every fork and bring results back to the parent. ``gather_variable``: each

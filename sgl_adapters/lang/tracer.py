@@ -14,7 +14,6 @@ starts with, which ``run_batch`` sends once as a cache hint.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import re
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from typing import Any
 
 from sgl_adapters.lang import ir
 from sgl_adapters.lang.chat_template import ChatTemplate
+from sgl_adapters.lang.scopes import RoleScopes, StateGroup
 
 
 class NotTraceable(Exception):
@@ -167,11 +167,14 @@ class _Tracer:
             self.streams[sid].append(Node("text", detail=text[pos:]))
 
 
-class TracerState:
+class TracerState(RoleScopes):
     """Stands in for :class:`~sgl_adapters.lang.interpreter.ProgramState` while tracing."""
 
     def __init__(self, tracer: _Tracer, sid: int):
         self._tracer, self._sid = tracer, sid
+
+    def _submit(self, expr: ir.Expr) -> None:
+        self._tracer.record(self._sid, expr)
 
     def __iadd__(self, other: Any) -> TracerState:
         self._tracer.record(self._sid, ir.to_expr(other))
@@ -199,21 +202,6 @@ class TracerState:
     def set_var(self, name: str, value: Any) -> None:
         raise NotTraceable("the program sets variables from Python values")
 
-    @contextlib.contextmanager
-    def _role(self, role: str):
-        self._tracer.record(self._sid, ir.RoleBegin(role))
-        yield self
-        self._tracer.record(self._sid, ir.RoleEnd(role))
-
-    def system(self):
-        return self._role("system")
-
-    def user(self):
-        return self._role("user")
-
-    def assistant(self):
-        return self._role("assistant")
-
     def fork(self, size: int) -> TracerGroup:
         if not isinstance(size, int):
             raise NotTraceable("fork size depends on data")
@@ -223,23 +211,8 @@ class TracerState:
         return TracerGroup(self, [TracerState(self._tracer, s) for s in sids])
 
 
-class TracerGroup:
-    def __init__(self, parent: TracerState, states: list[TracerState]):
-        self.parent, self.states = parent, states
-
-    def __len__(self) -> int:
-        return len(self.states)
-
-    def __getitem__(self, i: int) -> TracerState:
-        return self.states[i]
-
-    def __iter__(self):
-        return iter(self.states)
-
-    def __iadd__(self, other: Any) -> TracerGroup:
-        for s in self.states:
-            s += other
-        return self
+class TracerGroup(StateGroup):
+    """The traced forks; ``join`` records the variables they gather."""
 
     def join(self, mode: str = "gather_variable") -> None:
         tracer = self.parent._tracer

@@ -228,9 +228,7 @@ class ChatSGLang(BaseChatModel):
                 if any(not isinstance(t["content"], str) or t["role"] not in template.roles
                        for t in turns):
                     return
-                head = "" if turns and turns[0]["role"] == "system" else template.default_system
-                texts.append(head + "".join(template.prefix(t["role"]) + t["content"]
-                                            + template.suffix(t["role"]) for t in turns))
+                texts.append(template.render([(t["role"], t["content"]) for t in turns]))
         except Exception:  # noqa: BLE001 - a hint is only an optimisation
             return
         self.hints.ensure(os.path.commonprefix(texts))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import json
 from typing import Literal
 
 import pydantic
@@ -164,15 +163,22 @@ def test_evaluate_small_devset(lm):
 
 
 def test_lowering_off_is_plain_chat_adapter(default_server):
-    lm = SGLangLM(base_url=default_server.url, cache=False, temperature=0.0, max_tokens=64,
-                  lowering=False)
-    with dspy.context(lm=lm, adapter=None):
-        program = dspy.Predict("question -> answer: Literal['yes', 'no']")
-        try:
-            program(question="Is the sky blue?")
-        except Exception:  # noqa: BLE001 - a 135M model may fail ChatAdapter's format
-            pass
-    assert lm.history and "sglang" not in json.dumps(lm.history[0]["kwargs"])
+    from dspy.lm15 import Message, Request
+
+    msgs = dspy.ChatAdapter().format(dspy.Signature("question -> answer: Literal['yes', 'no']"),
+                                     [], {"question": "Is the sky blue?"})
+    request = Request(model="default", system=msgs[0]["content"],
+                      messages=(Message.user(msgs[-1]["content"]),))
+    on = SGLangLM(base_url=default_server.url, cache=False, temperature=0.0, max_tokens=48)
+    off = SGLangLM(base_url=default_server.url, cache=False, temperature=0.0, max_tokens=48,
+                   lowering=False)
+    assert on.engine._plan(request) is not None and off.engine._plan(request) is None
+    lowered = on.engine.complete(request).text
+    assert lowered.startswith("[[ ## answer ## ]]\n") and lowered.endswith("[[ ## completed ## ]]")
+    # Off: one free-text chat completion, whatever the model writes (it is not rebuilt from
+    # markers, so it generally differs from the lowered text).
+    plain = off.engine.complete(request)
+    assert plain.usage.output_tokens > 0 and plain.text != lowered
 
 
 def test_json_adapter_schema_is_enforced(default_server):

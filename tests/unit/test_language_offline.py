@@ -99,9 +99,11 @@ def test_chat_template_roles_match_apply_chat_template(default_tokenizer):
     assert t.roles["user"] == ("<|im_start|>user\n", "<|im_end|>\n")
     assert t.default_system.startswith("<|im_start|>system\nYou are a helpful AI")
     msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]
-    text = t.default_system + "".join(t.prefix(m["role"]) + m["content"] + t.suffix(m["role"])
-                                      for m in msgs)
+    text = t.render([(m["role"], m["content"]) for m in msgs])
     assert text == default_tokenizer.apply_chat_template(msgs, tokenize=False)
+    with_system = [{"role": "system", "content": "Be brief."}, *msgs]
+    assert t.render([(m["role"], m["content"]) for m in with_system]) == \
+        default_tokenizer.apply_chat_template(with_system, tokenize=False)
 
 
 def test_chat_template_falls_back_to_plain():
