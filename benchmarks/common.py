@@ -54,17 +54,31 @@ def run_in_flight(engine, prompts, params, in_flight: int):
     return reqs, time.perf_counter() - start
 
 
-def optimal_hit_rate(prompts) -> float:
-    """Best achievable cache hit rate for a batch (SGLang paper Theorem 3.1): with the whole
-    batch in one radix tree, each edge must be computed once, so the optimum is
-    1 - (sum of edge lengths) / (total prompt tokens)."""
-    import torch
+def optimal_hit_rate(prompts, sequences=()) -> float:
+    """Best achievable cache hit rate for a set of requests (SGLang paper Theorem 3.1): with
+    all of them in one radix tree, each tree node (a distinct token prefix) is computed once.
 
-    from server.cache.radix_tree import RadixCache
+    Args:
+        prompts: token-id lists, one per request.
+        sequences: (prompt, prompt + generated output) token-id list pairs of generation
+            requests: output tokens are computed by decoding, so a later prompt that repeats
+            them needs no prefill for them.
 
-    tree = RadixCache()
+    Returns 1 - (prompt-prefix nodes not produced by any decode) / (total prompt tokens).
+    """
+    def nodes(ids, start=0):
+        h, out = 0, []
+        for i, t in enumerate(ids):
+            h = hash((h, t))
+            if i >= start:
+                out.append(h)
+        return out
+
+    needed: set[int] = set()
     total = 0
     for p in prompts:
-        tree.insert(p, torch.zeros(len(p), dtype=torch.int64))
+        needed.update(nodes(p))
         total += len(p)
-    return 1 - tree.sum_edge_lengths() / total
+    for prompt, seq in sequences:
+        needed.difference_update(nodes(seq, len(prompt)))
+    return 1 - len(needed) / total if total else 0.0

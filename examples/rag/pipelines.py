@@ -58,7 +58,9 @@ def run_sgl(questions: list[Question], retriever: Retriever, k: int, base_url: s
 
 
 def run_dspy(questions: list[Question], retriever: Retriever, k: int, base_url: str,
-             threads: int = 16, progress: bool = False) -> list[str]:
+             threads: int = 16, progress: bool = False, lm=None) -> list[str]:
+    """``lm``: another dspy.LM to run the same program on (the benchmarks' OpenAI-route
+    baseline); default SGLangLM on ``base_url``."""
     import dspy
 
     from sgl_adapters.dspy import SGLangLM
@@ -86,7 +88,7 @@ def run_dspy(questions: list[Question], retriever: Retriever, k: int, base_url: 
             context = [p.text for p in retriever.search(question, k)]
             return (self.yes_no if yes_no else self.span)(context=context, question=question)
 
-    lm = SGLangLM(base_url=base_url, temperature=0.0, max_tokens=48, cache=False)
+    lm = lm or SGLangLM(base_url=base_url, temperature=0.0, max_tokens=48, cache=False)
     examples = [dspy.Example(question=q.question, yes_no=q.answer_type == "yes_no")
                 .with_inputs("question", "yes_no") for q in questions]
     with dspy.context(lm=lm, adapter=None):
