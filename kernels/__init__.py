@@ -5,12 +5,15 @@ runner receives a backend object and never branches on the device itself.
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import torch
 
 from kernels.base import AttentionBackend, AttentionInputs
 from kernels.reference import ReferenceAttention
 
-ATTENTION_BACKENDS = ("auto", "reference")
+ATTENTION_BACKENDS = ("auto", "reference", "triton", "flashinfer")
 _NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
@@ -31,14 +34,65 @@ def cpu_has_native_bf16(cpuinfo_path: str = "/proc/cpuinfo") -> bool:
     return False
 
 
-def create_attention_backend(name: str, k_buffers: list[torch.Tensor],
-                             v_buffers: list[torch.Tensor]) -> AttentionBackend:
-    """Build the attention backend ``name`` ("auto" picks the fastest available; on CPU that is
-    the reference). Raises ValueError for an unknown or unavailable backend."""
+def triton_interpret() -> bool:
+    """True when Triton kernels run in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def unavailable_reason(name: str, device: torch.device) -> str | None:
+    """Why backend ``name`` cannot run with KV buffers on ``device``; None when it can."""
+    if name == "reference":
+        return None
+    if name == "triton":
+        if importlib.util.find_spec("triton") is None:
+            return "triton is not installed (pip install 'sgl-adapters[kernels]')"
+        if device.type != "cuda" and not triton_interpret():
+            return "the KV pool is not on a CUDA device (TRITON_INTERPRET=1 runs it on CPU)"
+        return None
+    if name == "flashinfer":
+        if importlib.util.find_spec("flashinfer") is None:
+            return "flashinfer is not installed (pip install flashinfer-python)"
+        if device.type != "cuda":
+            return "FlashInfer needs the KV pool on a CUDA device"
+        return None
+    return f"unknown attention backend {name!r}"
+
+
+def resolve_attention_backend(name: str, device: torch.device) -> str:
+    """The concrete backend for ``name`` on ``device``. "auto": FlashInfer, else Triton, on a
+    CUDA device where installed; the reference everywhere else (including CPU with Triton's
+    interpreter, which is for tests, not speed). Raises ValueError for an unknown name or an
+    unavailable backend, saying why."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
+    if name == "auto":
+        if device.type == "cuda":
+            for candidate in ("flashinfer", "triton"):
+                if unavailable_reason(candidate, device) is None:
+                    return candidate
+        return "reference"
+    reason = unavailable_reason(name, device)
+    if reason is not None:
+        raise ValueError(f"attention backend {name!r} is unavailable: {reason}")
+    return name
+
+
+def create_attention_backend(name: str, k_buffers: list[torch.Tensor],
+                             v_buffers: list[torch.Tensor]) -> AttentionBackend:
+    """Build attention backend ``name`` (see :func:`resolve_attention_backend`) over the pool's
+    per-layer buffers ([capacity, num_kv_heads, head_dim] each). Raises ValueError for an
+    unknown or unavailable backend."""
+    name = resolve_attention_backend(name, k_buffers[0].device)
+    if name == "triton":
+        from kernels.triton import TritonAttention
+
+        return TritonAttention(k_buffers, v_buffers)
+    if name == "flashinfer":
+        from kernels.flashinfer import FlashInferAttention
+
+        return FlashInferAttention(k_buffers, v_buffers)
     return ReferenceAttention(k_buffers, v_buffers)
 
 
 __all__ = ["AttentionBackend", "AttentionInputs", "create_attention_backend", "ATTENTION_BACKENDS",
-           "cpu_has_native_bf16"]
+           "cpu_has_native_bf16", "resolve_attention_backend", "triton_interpret"]

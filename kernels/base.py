@@ -1,8 +1,9 @@
 """The interface between the model and an attention implementation.
 
-The model calls, per forward pass, ``begin(inputs)`` once and then, per layer, ``store_kv`` and
-``extend``/``decode``. Implementations (``kernels.reference``, later Triton and FlashInfer) read
-K/V through per-sequence rows of slot indices into a token-granular pool (page size 1).
+The model calls, per forward pass, ``begin(inputs)`` once and then, per layer, ``rms_norm``,
+``apply_rope``, ``store_kv`` and ``attend``. Implementations (``kernels.reference``,
+``kernels.triton``, ``kernels.flashinfer``) read K/V through per-sequence rows of slot indices
+into a token-granular pool (page size 1).
 
 This package never imports ``server``: everything crosses as plain tensors and lists.
 """
@@ -56,3 +57,9 @@ class AttentionBackend(Protocol):
 
     def attend(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
         """Causal attention of the new tokens over prefix + new KV; returns [T, H, D]."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm of x [T, H] (the backend's fused version, or the reference)."""
+
+    def apply_rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotary embedding of x [T, heads, D] with cos/sin [T, D]."""

@@ -102,6 +102,8 @@ class ReferenceAttention:
     """:class:`kernels.base.AttentionBackend` built from the functions above."""
 
     name = "reference"
+    rms_norm = staticmethod(rms_norm)
+    apply_rope = staticmethod(apply_rope)
 
     def __init__(self, k_buffers: list[torch.Tensor], v_buffers: list[torch.Tensor]):
         self.k_buffers = k_buffers

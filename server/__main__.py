@@ -11,6 +11,7 @@ import asyncio
 import logging
 import sys
 
+from kernels import ATTENTION_BACKENDS
 from server.config import (
     SCHEDULE_POLICIES,
     CacheConfig,
@@ -36,12 +37,17 @@ def build_parser() -> argparse.ArgumentParser:
       "route except /health, /health_generate and /metrics")
     a("--dtype", default="auto", help="auto (bf16 on GPUs and CPUs with native bf16, else fp32), "
       "float32, bfloat16 or float16")
+    a("--device", default="auto", help="auto (cuda when a GPU is visible, else cpu), cpu or "
+      "cuda[:N]")
+    a("--attention-backend", default="auto", choices=ATTENTION_BACKENDS, help="auto (FlashInfer, "
+      "else Triton, on CUDA; reference on CPU), reference, triton or flashinfer")
     a("--context-length", type=int, default=None, help="max prompt + output tokens (default: "
       "the model's)")
     a("--max-total-tokens", type=int, default=None, help="KV pool size in tokens, shared by the "
       "radix cache and running requests (default: --mem-fraction of available memory)")
-    a("--mem-fraction", type=float, default=0.1, help="fraction of available memory for the KV "
-      "pool when --max-total-tokens is not given (default 0.1)")
+    a("--mem-fraction", "--mem-fraction-static", type=float, default=None, help="fraction of "
+      "available memory (RAM on CPU, free GPU memory measured before the weights load on CUDA) "
+      "for the KV pool when --max-total-tokens is not given (default 0.1 on CPU, 0.6 on CUDA)")
     a("--chunked-prefill-size", type=int, default=1024, help="max new tokens in one prefill "
       "batch; longer prompts are prefilled in chunks (default 1024)")
     a("--schedule-policy", choices=SCHEDULE_POLICIES, default="lpm", help="waiting-queue order: "
@@ -61,8 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, HTTPConfig]:
     engine = EngineConfig(
-        model=ModelConfig(path=args.model, dtype=args.dtype, context_length=args.context_length,
-                          served_model_name=args.served_model_name),
+        model=ModelConfig(path=args.model, dtype=args.dtype, device=args.device,
+                          context_length=args.context_length,
+                          served_model_name=args.served_model_name,
+                          attention_backend=args.attention_backend),
         cache=CacheConfig(max_total_tokens=args.max_total_tokens, mem_fraction=args.mem_fraction,
                           disable_radix_cache=args.disable_radix_cache),
         scheduler=SchedulerConfig(max_running_requests=args.max_running_requests,

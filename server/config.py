@@ -1,9 +1,9 @@
 """Runtime configuration: one frozen dataclass per role.
 
 Only the CLI (``server/__main__.py``) reads argv and the environment; everything else receives
-these objects. "auto" values (dtype, KV capacity) are resolved by :func:`resolve` into a new
-config once the model's size and the machine are known, so every later reader sees concrete
-numbers.
+these objects. "auto" values (device, attention backend, dtype, KV capacity) are resolved by
+:func:`resolve` into a new config once the model's size and the machine are known, so every
+later reader sees concrete numbers.
 
 Errors: invalid values raise :class:`ConfigError` (a ``ValueError``) naming the field.
 """
@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass, field
 
 import torch
+
+from kernels import ATTENTION_BACKENDS, resolve_attention_backend
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
            "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16,
@@ -35,7 +38,9 @@ class ModelConfig:
             directory holding one ``.gguf``, or None for the embedded SmolLM2-135M-Instruct.
         dtype: "auto" (bfloat16 on CUDA and on CPUs with native bf16 arithmetic, else float32),
             "float32", "float16" or "bfloat16".
-        device: "cpu" or "cuda[:N]".
+        device: "auto" (cuda when torch sees a GPU, else cpu), "cpu" or "cuda[:N]".
+        attention_backend: "auto" (FlashInfer, else Triton, on CUDA; the reference on CPU),
+            "reference", "triton" or "flashinfer" (:func:`kernels.resolve_attention_backend`).
         context_length: max tokens per sequence (prompt + output); None = the model's own.
         served_model_name: name reported by the APIs; None = derived from the path.
     """
@@ -45,10 +50,16 @@ class ModelConfig:
     device: str = "cpu"
     context_length: int | None = None
     served_model_name: str | None = None
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ConfigError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.device != "auto" and not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got "
+                              f"{self.attention_backend!r}")
         if self.context_length is not None and self.context_length < 2:
             raise ConfigError(f"context_length must be >= 2, got {self.context_length}")
 
@@ -67,18 +78,19 @@ class CacheConfig:
     Attributes:
         max_total_tokens: KV pool capacity in tokens (shared by running requests and, from [2/9],
             the radix cache); None = derived from ``mem_fraction`` of available memory.
-        mem_fraction: fraction of available host (CPU) or free device (GPU) memory for the pool.
+        mem_fraction: fraction of available host (CPU) or free device (GPU, measured before the
+            weights load) memory for the pool; None = 0.1 on CPU, 0.6 on CUDA.
         disable_radix_cache: no prefix reuse (the same code path with a tree that never stores).
     """
 
     max_total_tokens: int | None = None
-    mem_fraction: float = 0.1
+    mem_fraction: float | None = None
     disable_radix_cache: bool = False
 
     def __post_init__(self) -> None:
         if self.max_total_tokens is not None and self.max_total_tokens < 16:
             raise ConfigError(f"max_total_tokens must be >= 16, got {self.max_total_tokens}")
-        if not 0.0 < self.mem_fraction < 1.0:
+        if self.mem_fraction is not None and not 0.0 < self.mem_fraction < 1.0:
             raise ConfigError(f"mem_fraction must be in (0, 1), got {self.mem_fraction}")
 
 
@@ -178,6 +190,13 @@ def resolve(config: EngineConfig, *, kv_elements_per_token: int, model_context_l
         ConfigError: the pool would hold fewer than 16 tokens, or context_length exceeds the model's.
     """
     model, cache = config.model, config.cache
+    if model.device == "auto":
+        model = dataclasses.replace(model, device="cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        backend = resolve_attention_backend(model.attention_backend, torch.device(model.device))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    model = dataclasses.replace(model, attention_backend=backend)
     if model.dtype == "auto":
         bf16 = model.device.startswith("cuda") or cpu_native_bf16
         model = dataclasses.replace(model, dtype="bfloat16" if bf16 else "float32")
@@ -189,7 +208,8 @@ def resolve(config: EngineConfig, *, kv_elements_per_token: int, model_context_l
     kv_bytes_per_token = kv_elements_per_token * model.torch_dtype.itemsize
     if cache.max_total_tokens is None:
         avail = available_memory_bytes(model.device) if available_bytes is None else available_bytes
-        tokens = int(avail * cache.mem_fraction) // max(kv_bytes_per_token, 1)
+        fraction = cache.mem_fraction or (0.6 if model.device.startswith("cuda") else 0.1)
+        tokens = int(avail * fraction) // max(kv_bytes_per_token, 1)
         # On CPU, more than ~256k tokens of KV only slows allocation; the cap is generous.
         tokens = min(tokens, 1 << 18)
         if tokens < 16:

@@ -73,7 +73,8 @@ class Engine:
                                    dtype=mc.torch_dtype, device=mc.device)
         self.req_table = ReqToTokenTable(sc.max_running_requests, self.context_len, mc.device)
         self.runner = ModelRunner(loaded, self.kv_pool, dtype=mc.torch_dtype, device=mc.device,
-                                  max_positions=self.context_len)
+                                  max_positions=self.context_len,
+                                  attention_backend=mc.attention_backend)
         self.cache = CacheManager(self.kv_pool, self.req_table,
                                   RadixCache(disabled=cc.disable_radix_cache))
         self.scheduler = Scheduler(sc, self.cache, vocab_size=loaded.arch.vocab_size,

@@ -87,7 +87,8 @@ async def serve(engine_config: EngineConfig, http: HTTPConfig) -> int:
             while not server.started:
                 await asyncio.sleep(0.05)
             print(f"sgl-adapters server ready: http://{http.host}:{http.port} "
-                  f"(model {ready.model_name}, {ready.dtype}, KV pool {ready.max_total_tokens} "
+                  f"(model {ready.model_name}, {ready.dtype} on {ready.device}, "
+                  f"{ready.attention_backend} attention, KV pool {ready.max_total_tokens} "
                   f"tokens)", flush=True)
             while proc.is_alive():
                 await asyncio.sleep(0.2)

@@ -59,6 +59,8 @@ class Ready(msgspec.Struct, tag=True):
     context_len: int
     max_total_tokens: int
     dtype: str
+    device: str = "cpu"
+    attention_backend: str = "reference"
 
 
 class ReqOutput(msgspec.Struct):

@@ -105,7 +105,8 @@ async def model_info(request: Request):
     info = manager_of(request).info
     return {"model_path": request.app.state.model_path, "served_model_name":
             request.app.state.model_name, "context_len": info.context_len,
-            "vocab_size": info.vocab_size, "dtype": info.dtype, "is_generation": True,
+            "vocab_size": info.vocab_size, "dtype": info.dtype, "device": info.device,
+            "attention_backend": info.attention_backend, "is_generation": True,
             "chat_template": getattr(manager_of(request).tokenizer, "chat_template", None)}
 
 

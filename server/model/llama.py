@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.base import AttentionBackend
-from kernels.reference import apply_rope, rms_norm
 from server.model.config import ArchConfig
 
 
@@ -69,14 +68,14 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn: AttentionBackend) -> torch.Tensor:
         t = x.shape[0]
-        h = rms_norm(x, self.input_layernorm, self.eps)
+        h = attn.rms_norm(x, self.input_layernorm, self.eps)
         q, k, v = self.qkv_proj(h).split(self.split, dim=-1)
-        q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        q = attn.apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)
+        k = attn.apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
         attn.store_kv(self.layer_id, k, v.view(t, self.num_kv_heads, self.head_dim))
         o = attn.attend(self.layer_id, q, self.scale)
         x = x + self.o_proj(o.reshape(t, -1))
-        h = rms_norm(x, self.post_attention_layernorm, self.eps)
+        h = attn.rms_norm(x, self.post_attention_layernorm, self.eps)
         gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
         return x + self.down_proj(F.silu(gate) * up)
 
@@ -115,7 +114,7 @@ class LlamaForCausalLM(nn.Module):
         sin = self.sin_cache[positions].to(x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, attn)
-        return rms_norm(x, self.norm, self.arch.rms_norm_eps)
+        return attn.rms_norm(x, self.norm, self.arch.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden]. Returns [N, vocab] float32."""

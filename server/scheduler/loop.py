@@ -170,11 +170,12 @@ def run_scheduler_process(config: EngineConfig, to_scheduler: str, from_schedule
     send.connect(from_scheduler)
     start = time.perf_counter()
     engine = Engine(config=config)
-    log.info("model %s loaded in %.1f s (%s, KV pool %d tokens)", engine.model_name,
-             time.perf_counter() - start, engine.config.model.dtype,
-             engine.config.cache.max_total_tokens)
+    mc = engine.config.model
+    log.info("model %s loaded in %.1f s (%s on %s, %s attention, KV pool %d tokens)",
+             engine.model_name, time.perf_counter() - start, mc.dtype, mc.device,
+             mc.attention_backend, engine.config.cache.max_total_tokens)
     send.send(P.encode(P.Ready(
         model_name=engine.model_name, vocab_size=engine.arch.vocab_size,
         context_len=engine.context_len, max_total_tokens=engine.config.cache.max_total_tokens,
-        dtype=engine.config.model.dtype)))
+        dtype=mc.dtype, device=mc.device, attention_backend=mc.attention_backend)))
     SchedulerLoop(engine, recv, send).serve_forever()

@@ -1,0 +1,66 @@
+"""One selection point for attention backends (kernels.resolve_attention_backend), the server's
+--attention-backend flag, and the Triton backend inside a real engine."""
+
+import pytest
+import torch
+
+from kernels import create_attention_backend, resolve_attention_backend
+from server.config import ConfigError, EngineConfig, resolve
+
+CPU = torch.device("cpu")
+
+
+def test_auto_is_reference_on_cpu_and_unknown_names_fail():
+    assert resolve_attention_backend("auto", CPU) == "reference"
+    assert resolve_attention_backend("reference", CPU) == "reference"
+    with pytest.raises(ValueError, match="must be one of"):
+        resolve_attention_backend("xformers", CPU)
+
+
+def test_unavailable_backends_say_why(monkeypatch):
+    with pytest.raises(ValueError, match="flashinfer"):
+        resolve_attention_backend("flashinfer", CPU)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="not on a CUDA device"):
+        resolve_attention_backend("triton", CPU)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert resolve_attention_backend("triton", CPU) == "triton"
+    buffers = [torch.zeros(4, 1, 8)]
+    assert create_attention_backend("triton", buffers, buffers).name == "triton"
+
+
+def test_engine_config_resolves_device_and_backend(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    cfg = resolve(EngineConfig.from_kwargs(model="x", device="auto"), kv_elements_per_token=64,
+                  model_context_length=128, available_bytes=1 << 30)
+    assert cfg.model.device == ("cuda" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():
+        assert cfg.model.attention_backend == "reference"
+        with pytest.raises(ConfigError, match="triton"):
+            resolve(EngineConfig.from_kwargs(model="x", attention_backend="triton"),
+                    kv_elements_per_token=64, model_context_length=128, available_bytes=1 << 30)
+    with pytest.raises(ConfigError, match="attention_backend"):
+        EngineConfig.from_kwargs(model="x", attention_backend="nope")
+    with pytest.raises(ConfigError, match="device"):
+        EngineConfig.from_kwargs(model="x", device="tpu")
+
+
+def test_triton_engine_generates_what_the_reference_engine_does(make_tiny_model, device):
+    """Greedy fp32 generation through the whole server engine (prefill with a shared cached
+    prefix, batched decode) is token-identical with the Triton and the reference backends."""
+    from server.engine import Engine
+
+    path, _ = make_tiny_model("tied")  # 6 query heads over 2 KV heads, as SmolLM2
+    prompts = [[5, 9, 13, 17, 21, 25, 29, 33] * 3 + [40 + i] * (1 + 2 * i) for i in range(3)]
+    prompts.append([7])
+    sp = {"max_new_tokens": 6, "temperature": 0}
+    outs = {}
+    for backend in ("reference", "triton"):
+        engine = Engine(path, max_total_tokens=2048, context_length=256, dtype="float32",
+                        device=device, attention_backend=backend)
+        assert engine.runner.attention.name == backend
+        engine.generate(input_ids=prompts[0], sampling_params=sp)  # the shared prefix is cached
+        outs[backend] = [o["output_ids"] for o in engine.generate(input_ids=prompts,
+                                                                  sampling_params=sp)]
+    assert outs["triton"] == outs["reference"]
+    assert all(len(o) == 6 for o in outs["triton"])
