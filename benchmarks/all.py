@@ -158,6 +158,23 @@ def run_workload(w: Workload, target: Target, threads: int, tokenizer) -> dict[s
             "optimal_hit_rate": _round(optimal), "errors": len(errors)}
 
 
+def summary(rows: list[dict], labels: list[str]) -> tuple[list[str], list[list[str]]]:
+    """One line per workload: programs/s per config, the first config's speed-up over the last,
+    and the first config's hit rate next to the optimal."""
+    header = ["workload", *(f"{x} programs/s" for x in labels), f"{labels[0]} / {labels[-1]}",
+              f"{labels[0]} hit rate", "optimal"]
+    out = []
+    for name in dict.fromkeys(r["workload"] for r in rows):
+        by = {r["config"]: r for r in rows if r["workload"] == name}
+        if not all(x in by for x in labels):
+            continue
+        first, last = by[labels[0]], by[labels[-1]]
+        out.append([name, *(str(by[x]["programs_per_s"]) for x in labels),
+                    f"{first['programs_per_s'] / last['programs_per_s']:.2f}x",
+                    _cell(first["cache_hit_rate"]), _cell(first["optimal_hit_rate"])])
+    return header, out
+
+
 def _round(x: float | None) -> float | None:
     return None if x is None else round(x, 3)
 
@@ -220,6 +237,9 @@ def main(argv: list[str] | None = None) -> None:
     print_table(HEADER, [[_cell(r[k]) for k in ("workload", "config", "programs", "seconds",
                                                 "programs_per_s", "accuracy", "cache_hit_rate",
                                                 "optimal_hit_rate")] for r in rows])
+    if len(targets) > 1:
+        print()
+        print_table(*summary(rows, [t.label for t in targets]))
     print(f"\nrows appended to {args.out}")
 
 

@@ -1,12 +1,17 @@
 """Engine throughput on the default model, side by side with transformers in one run.
 
     python -m benchmarks.engine [--model PATH] [--dtypes auto,float32] [--new-tokens 64]
+        [--device auto|cpu|cuda] [--attention-backends auto,reference,triton,flashinfer]
 
 Prints one markdown table: prefill tokens/s (512-token prompts), decode tokens/s at batch 1, 8
 and 32 (128-token prompts, decode steps only), and transformers' ``generate`` at batch 1 on the
 same prompts (decode rate = (t(N tokens) - t(1 token)) / (N - 1)). Then a per-op profile of one
 batch-32 decode step. Prompts are real Wikipedia passages from ../shared/data/wiki_rag when
 present (else this repository's source text), chat-templated and cut to length in tokens.
+
+Decode at batch 1 reads every weight once per token, so "b=1 GB/s" = weight bytes x tokens/s
+is the achieved memory bandwidth (KV reads are < 1% of it at 128 tokens); it is printed next to
+the device's measured copy bandwidth (read + write bytes of a 256 MiB ``copy_``).
 """
 
 from __future__ import annotations
@@ -107,6 +112,25 @@ def profile_decode_step(engine: Engine, prompts: list[list[int]]) -> list[list[s
     return rows
 
 
+def copy_bandwidth(device: str, mib: int = 256, repeats: int = 10) -> float:
+    """Measured device copy bandwidth in GB/s (bytes read + written per second)."""
+    x = torch.empty(mib << 20, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    y.copy_(x)
+    if x.is_cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        y.copy_(x)
+    if x.is_cuda:
+        torch.cuda.synchronize()
+    return 2 * x.numel() * repeats / (time.perf_counter() - start) / 1e9
+
+
+def weight_bytes(engine: Engine) -> int:
+    return sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="model path (default: embedded SmolLM2)")
@@ -114,26 +138,36 @@ def main() -> None:
                     help="engine dtypes to run, comma-separated (auto = bf16 on native-bf16 CPUs)")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    ap.add_argument("--device", default="auto", help="auto (cuda if present), cpu or cuda[:N]")
+    ap.add_argument("--attention-backends", default="auto",
+                    help="comma-separated: auto, reference, triton, flashinfer")
     args = ap.parse_args()
+    device = args.device if args.device != "auto" else (
+        "cuda" if torch.cuda.is_available() else "cpu")
+    device_name = torch.cuda.get_device_name(device) if device.startswith("cuda") else "CPU"
+    print(f"device: {device_name}; copy bandwidth {copy_bandwidth(device):.1f} GB/s")
 
     texts, source = load_texts(32)
     print(f"prompts: {source}; torch threads: {torch.get_num_threads()}")
-    header = ["engine", "dtype", "prefill tok/s (512)", "decode b=1", "decode b=8", "decode b=32",
-              "b=32 / b=1"]
+    header = ["engine", "attention", "dtype", "prefill tok/s (512)", "decode b=1", "b=1 GB/s",
+              "decode b=8", "decode b=32", "b=32 / b=1"]
     rows, engine = [], None
-    for dtype in args.dtypes.split(","):
-        engine = Engine(args.model, dtype=dtype, max_total_tokens=32768)
+    for backend, dtype in [(b, d) for b in args.attention_backends.split(",")
+                           for d in args.dtypes.split(",")]:
+        engine = Engine(args.model, dtype=dtype, max_total_tokens=32768, device=device,
+                        attention_backend=backend)
         long_prompts = make_prompts(engine, texts[:8], 512)
         short = make_prompts(engine, texts, 128)
         assert len(short) == 32 and len(long_prompts) == 8
         run_engine(engine, short[:2], 4)  # warm-up
         prefill = run_engine(engine, long_prompts, 0)["prefill"]
         decode = {b: run_engine(engine, short[:b], args.new_tokens)["decode"] for b in (1, 8, 32)}
-        rows.append(["sgl-adapters Engine", engine.config.model.dtype, f"{prefill:.0f}",
-                     f"{decode[1]:.1f}", f"{decode[8]:.1f}", f"{decode[32]:.1f}",
-                     f"{decode[32] / decode[1]:.1f}x"])
+        rows.append(["sgl-adapters Engine", engine.runner.attention.name,
+                     engine.config.model.dtype, f"{prefill:.0f}", f"{decode[1]:.1f}",
+                     f"{weight_bytes(engine) * decode[1] / 1e9:.1f}", f"{decode[8]:.1f}",
+                     f"{decode[32]:.1f}", f"{decode[32] / decode[1]:.1f}x"])
         del engine
-    if not args.no_hf:
+    if not args.no_hf and device == "cpu":
         from transformers import AutoModelForCausalLM
 
         from server.model.loader import default_model_path
@@ -145,11 +179,11 @@ def main() -> None:
                 os.path.dirname(path) if kw else path, dtype=dtype, **kw).eval()
             eng_prompt = short[0]
             rate = hf_decode_rate(hf, eng_prompt, args.new_tokens)
-            rows.append(["transformers generate", str(dtype).replace("torch.", ""), "", f"{rate:.1f}",
-                         "", "", ""])
+            rows.append(["transformers generate", "", str(dtype).replace("torch.", ""), "",
+                         f"{rate:.1f}", "", "", "", ""])
             del hf
     print_table(header, rows)
-    engine = Engine(args.model, max_total_tokens=32768)
+    engine = Engine(args.model, max_total_tokens=32768, device=device)
     prof = profile_decode_step(engine, make_prompts(engine, texts, 128))
     print(f"\nOne decode step, batch 32, 128-token prompts, dtype {engine.config.model.dtype}:")
     print_table(["op", "self CPU ms", "share", "calls"], prof)

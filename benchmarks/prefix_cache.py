@@ -74,6 +74,9 @@ def main() -> None:
                          "5-shot prefix, as in DESIGN.md's reference row)")
     ap.add_argument("--repeats", type=int, default=3, help="A/B repeats for workload (b)")
     ap.add_argument("--skip-no-share", action="store_true", help="run workload (a) only")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda[:N] or auto")
+    ap.add_argument("--attention-backend", default="auto",
+                    help="auto, reference, triton or flashinfer")
     args = ap.parse_args()
     data = shared_data_dir()
     if data is None:
@@ -81,7 +84,8 @@ def main() -> None:
 
     def engine(**kw) -> Engine:
         """A fresh engine, warmed up (first bf16 matmuls of each shape are slow), stats zeroed."""
-        eng = Engine(args.model, max_total_tokens=65536, **kw)
+        eng = Engine(args.model, max_total_tokens=65536, device=args.device,
+                     attention_backend=args.attention_backend, **kw)
         eng.generate([f"warm-up {i} " * 60 for i in range(4)], {"max_new_tokens": 2})
         eng.flush_cache()
         eng.scheduler.reset_stats()
@@ -95,7 +99,8 @@ def main() -> None:
     print(f"(a) MMLU 5-shot: {len(prompts)} prompts, {len(names or range(args.subjects))} "
           f"subjects, mean "
           f"{sum(map(len, prompts)) / len(prompts):.0f} tokens, {args.in_flight} in flight, "
-          f"dtype {base.config.model.dtype}")
+          f"dtype {base.config.model.dtype}, {base.runner.attention.name} attention on "
+          f"{base.config.model.device}")
     rows = [mmlu_row(base, "cache on, lpm", prompts, golds, args.in_flight)]
     del base
     rows.append(mmlu_row(engine(schedule_policy="fcfs"), "cache on, fcfs", prompts, golds,

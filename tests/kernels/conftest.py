@@ -13,3 +13,4 @@ if not torch.cuda.is_available():
 @pytest.fixture(scope="session")
 def device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
+

@@ -122,13 +122,26 @@ def test_fused_ops_match_reference(device, dtype):
                                atol=TOL[dtype] * 4, rtol=TOL[dtype])
 
 
-def test_backend_matches_reference_backend_over_passes(device):
+@pytest.mark.parametrize("name", ["triton", pytest.param("flashinfer", marks=pytest.mark.gpu)])
+def test_backend_matches_reference_backend_over_passes(device, name):
     """A prefill (one sequence with a cached prefix, one without) then two decode steps through
-    the backend objects; the Triton and reference backends keep identical pools and outputs."""
-    d, hq, hkv, capacity = 16, 6, 2, 256
+    the backend objects; the fast and the reference backend keep identical pools and outputs.
+    (FlashInfer: only where it is installed and a GPU is present.)"""
+    if name == "flashinfer":
+        pytest.importorskip("flashinfer")
+        if device != "cuda":
+            pytest.skip("FlashInfer needs a GPU")
+        from kernels.flashinfer import FlashInferAttention as Fast
+    else:
+        Fast = TritonAttention
+    d, hq, hkv, capacity = 64, 6, 2, 256  # FlashInfer supports head_dim 64/128/256
     pools = {name: pool(capacity, hkv, d, torch.float32, device) for name in ("ref", "tri")}
+    if name == "flashinfer":  # FlashInfer runs fp16/bf16 only
+        pools = {n: (k.half(), v.half()) for n, (k, v) in pools.items()}
     backends = {"ref": ReferenceAttention([pools["ref"][0]], [pools["ref"][1]]),
-                "tri": TritonAttention([pools["tri"][0]], [pools["tri"][1]])}
+                "tri": Fast([pools["tri"][0]], [pools["tri"][1]])}
+    dtype = pools["ref"][0].dtype
+    tol = TOL[dtype]
     table = torch.zeros(4, 64, dtype=torch.int64, device=device)
     table[1, :40] = torch.arange(100, 140)
     table[3, :40] = torch.arange(150, 190)
@@ -139,11 +152,12 @@ def test_backend_matches_reference_backend_over_passes(device):
         inputs = AttentionInputs(is_decode=extend == [1, 1], req_to_token=table, req_rows=[1, 3],
                                  prefix_lens=prefix, extend_lens=extend, out_cache_loc=loc)
         t = sum(extend)
-        q, k, v = (torch.randn(t, h, d, generator=g).to(device) for h in (hq, hkv, hkv))
+        q, k, v = (torch.randn(t, h, d, generator=g).to(dtype).to(device)
+                   for h in (hq, hkv, hkv))
         outs = {}
         for name, backend in backends.items():
             backend.begin(inputs)
             backend.store_kv(0, k, v)
             outs[name] = backend.attend(0, q, d ** -0.5)
-        torch.testing.assert_close(outs["tri"], outs["ref"], atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(outs["tri"].float(), outs["ref"].float(), atol=tol, rtol=tol)
     torch.testing.assert_close(pools["tri"][0], pools["ref"][0])
