@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import threading
 import time
 from typing import Any
@@ -63,7 +64,7 @@ class RecordingBackend:
         return result
 
     def optimal_hit_rate(self, tokenizer) -> float | None:
-        if not self.texts:
+        if not self.texts or tokenizer is None:
             return None
         return optimal_hit_rate([tokenizer.encode(t) for t in self.texts],
                                 [(tokenizer.encode(p), tokenizer.encode(p + o))
@@ -113,6 +114,19 @@ class Target:
         model = self.model or sgl.OpenAI("-", self.base_url).client.models.list().data[0].id
         return RecordingBackend(sgl.OpenAI(model, self.base_url, is_chat_model=False,
                                            chat_template=template), False)
+
+    def tokenizer(self):
+        """The served model's tokenizer when its files are on this machine (the bundled
+        servers), for the optimal hit rate; None otherwise (the column then shows "-")."""
+        try:
+            path = httpx.get(self.root + "/get_model_info", timeout=30).json()["model_path"]
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            return None
+        if not path or not os.path.exists(path):
+            return None
+        from server.model.loader import load_model
+
+        return load_model(path).tokenizer
 
     def counters(self) -> tuple[int, int] | None:
         try:
@@ -200,9 +214,6 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"unknown workloads {sorted(unknown)}; known: {', '.join(WORKLOADS)}")
     workloads = [WORKLOADS[n](max(1, round(SIZES[n] * args.scale))) for n in names]
 
-    from server.model.loader import load_model
-
-    tokenizer = load_model(None).tokenizer
     runtimes: list[sgl.Runtime] = []
     try:
         if args.base_url:
@@ -222,10 +233,11 @@ def main(argv: list[str] | None = None) -> None:
                     targets.append(Target("sgl-nocache", "sgl", plain.base_url))
                 targets.append(Target("openai", "openai", plain.base_url + "/v1"))
         rows = []
+        tokenizers = {t.label: t.tokenizer() for t in targets}
         with open(args.out, "a") as out:
             for w in workloads:
                 for t in targets:
-                    row = run_workload(w, t, args.threads, tokenizer)
+                    row = run_workload(w, t, args.threads, tokenizers[t.label])
                     print(" | ".join(_cell(row[k]) for k in row), flush=True)
                     out.write(json.dumps({**row, "time": time.time(), "threads": args.threads})
                               + "\n")

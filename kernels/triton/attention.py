@@ -28,6 +28,43 @@ from kernels import triton_interpret
 
 
 @triton.jit
+def _attend_rows(q, q_pos, K, V, req_to_token, row, kv_head, end, scale,
+                 stride_kc, stride_kh, stride_vc, stride_vh, stride_r2t, offs_d, d_mask,
+                 ROWS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                 PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """Online softmax of query rows q [ROWS, BLOCK_D] over KV positions [0, end) of request
+    table row ``row``; query r sees positions <= q_pos[r]. Returns [ROWS, BLOCK_D] float32
+    (zeros for rows that see nothing)."""
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+    for start in range(0, end, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        slots = tl.load(req_to_token + row * stride_r2t + offs_n, mask=n_mask, other=0)
+        slots = slots.to(tl.int64)
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(K + slots[:, None] * stride_kc + kv_head * stride_kh + offs_d[None, :],
+                    mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [ROWS, BLOCK_N]
+        visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + slots[:, None] * stride_vc + kv_head * stride_vh + offs_d[None, :],
+                    mask=kv_mask, other=0.0)
+        if UPCAST:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    return acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l_i = 0 only for rows seeing nothing
+
+
+@triton.jit
 def _decode_kernel(Q, K, V, Out, req_to_token, req_rows, seq_lens, scale,
                    stride_qt, stride_qh, stride_kc, stride_kh, stride_vc, stride_vh,
                    stride_ot, stride_oh, stride_r2t,
@@ -47,32 +84,10 @@ def _decode_kernel(Q, K, V, Out, req_to_token, req_rows, seq_lens, scale,
                 mask=h_mask[:, None] & d_mask[None, :], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for start in range(0, length, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < length
-        slots = tl.load(req_to_token + row * stride_r2t + offs_n, mask=n_mask, other=0)
-        slots = slots.to(tl.int64)
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(K + slots[:, None] * stride_kc + kv_head * stride_kh + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_H, BLOCK_N]
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + slots[:, None] * stride_vc + kv_head * stride_vh + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        if UPCAST:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
-    out = acc / l_i[:, None]
+    q_pos = tl.full([BLOCK_H], 0, tl.int32) + length - 1  # the new token sees everything
+    out = _attend_rows(q, q_pos, K, V, req_to_token, row, kv_head, length, scale,
+                       stride_kc, stride_kh, stride_vc, stride_vh, stride_r2t, offs_d, d_mask,
+                       BLOCK_H, BLOCK_D, BLOCK_N, PRECISION, UPCAST)
     tl.store(Out + b * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
              out.to(Out.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
 
@@ -102,33 +117,9 @@ def _extend_kernel(Q, K, V, Out, req_to_token, req_rows, prefix_lens, extend_len
         q = q.to(tl.float32)
     # Last KV position any query of this block may see; 0 (no iterations) for an empty block.
     end = tl.where(block * BLOCK_M < n_new, prefix + tl.minimum(n_new, (block + 1) * BLOCK_M), 0)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for start in range(0, end, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < end
-        slots = tl.load(req_to_token + row * stride_r2t + offs_n, mask=n_mask, other=0)
-        slots = slots.to(tl.int64)
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(K + slots[:, None] * stride_kc + kv_head * stride_kh + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_M, BLOCK_N]
-        visible = (offs_n[None, :] <= (prefix + offs_m)[:, None]) & n_mask[None, :]
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + slots[:, None] * stride_vc + kv_head * stride_vh + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        if UPCAST:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l_i = 0 only in empty blocks
+    out = _attend_rows(q, prefix + offs_m, K, V, req_to_token, row, kv_head, end, scale,
+                       stride_kc, stride_kh, stride_vc, stride_vh, stride_r2t, offs_d, d_mask,
+                       BLOCK_M, BLOCK_D, BLOCK_N, PRECISION, UPCAST)
     tl.store(Out + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
              out.to(Out.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
