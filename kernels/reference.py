@@ -23,10 +23,9 @@ from kernels.base import AttentionInputs
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x: [T, H] any float dtype; computed in float32, scaled in x's dtype. Returns [T, H]."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    """x: [T, H] any float dtype; computed in float32, scaled in x's dtype. Returns [T, H].
+    (torch's fused ``rms_norm`` over float32: bit-identical to HF's pow/mean/rsqrt sequence.)"""
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

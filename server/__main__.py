@@ -21,6 +21,7 @@ from server.config import (
     ModelConfig,
     SchedulerConfig,
 )
+from server.model.quantization import QUANTIZATION_MODES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,6 +42,13 @@ def build_parser() -> argparse.ArgumentParser:
       "cuda[:N]")
     a("--attention-backend", default="auto", choices=ATTENTION_BACKENDS, help="auto (FlashInfer, "
       "else Triton, on CUDA; reference on CPU), reference, triton or flashinfer")
+    a("--quantization", default="auto", choices=QUANTIZATION_MODES, help="weights kept "
+      "quantized in memory: auto (a GGUF file's own 4-bit types as int4, its other quantized "
+      "types as int8; float checkpoints unchanged; default), none (dequantize to --dtype), "
+      "int4 or int8 (quantize every linear weight and the token embedding)")
+    a("--enable-torch-compile", action="store_true", help="compile the decoder stack with "
+      "torch.compile on CPU (first start compiles for ~1-2 min; later starts load the cached "
+      "graphs from ~/.cache/sgl-adapters/inductor)")
     a("--context-length", type=int, default=None, help="max prompt + output tokens (default: "
       "the model's)")
     a("--max-total-tokens", type=int, default=None, help="KV pool size in tokens, shared by the "
@@ -70,7 +78,9 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, HTTPConfi
         model=ModelConfig(path=args.model, dtype=args.dtype, device=args.device,
                           context_length=args.context_length,
                           served_model_name=args.served_model_name,
-                          attention_backend=args.attention_backend),
+                          attention_backend=args.attention_backend,
+                          quantization=args.quantization,
+                          torch_compile=args.enable_torch_compile),
         cache=CacheConfig(max_total_tokens=args.max_total_tokens, mem_fraction=args.mem_fraction,
                           disable_radix_cache=args.disable_radix_cache),
         scheduler=SchedulerConfig(max_running_requests=args.max_running_requests,

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels import ATTENTION_BACKENDS, resolve_attention_backend
+from server.model.quantization import QUANTIZATION_MODES
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
            "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16,
@@ -43,6 +44,12 @@ class ModelConfig:
             "reference", "triton" or "flashinfer" (:func:`kernels.resolve_attention_backend`).
         context_length: max tokens per sequence (prompt + output); None = the model's own.
         served_model_name: name reported by the APIs; None = derived from the path.
+        quantization: weight-only quantization kept in memory (:mod:`server.model.quantization`):
+            "auto" (a GGUF file's own 4-bit types as int4, other quantized types as int8;
+            float checkpoints unchanged), "none" (dequantize to ``dtype``), "int4" or "int8"
+            (quantize every linear weight and the token embedding).
+        torch_compile: run the decoder stack through torch.compile on CPU
+            (:mod:`server.model.compiled`; compiled graphs are cached on disk).
     """
 
     path: str | None = None
@@ -51,8 +58,13 @@ class ModelConfig:
     context_length: int | None = None
     served_model_name: str | None = None
     attention_backend: str = "auto"
+    quantization: str = "auto"
+    torch_compile: bool = False
 
     def __post_init__(self) -> None:
+        if self.quantization not in QUANTIZATION_MODES:
+            raise ConfigError(f"quantization must be one of {QUANTIZATION_MODES}, got "
+                              f"{self.quantization!r}")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ConfigError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.device != "auto" and not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):

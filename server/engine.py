@@ -74,7 +74,9 @@ class Engine:
         self.req_table = ReqToTokenTable(sc.max_running_requests, self.context_len, mc.device)
         self.runner = ModelRunner(loaded, self.kv_pool, dtype=mc.torch_dtype, device=mc.device,
                                   max_positions=self.context_len,
-                                  attention_backend=mc.attention_backend)
+                                  attention_backend=mc.attention_backend,
+                                  quantization=mc.quantization,
+                                  compile=mc.torch_compile)
         self.cache = CacheManager(self.kv_pool, self.req_table,
                                   RadixCache(disabled=cc.disable_radix_cache))
         self.scheduler = Scheduler(sc, self.cache, vocab_size=loaded.arch.vocab_size,
@@ -82,6 +84,16 @@ class Engine:
                                    seed=self.config.seed, tokenizer=loaded.tokenizer)
         self.eos_ids = frozenset(self._eos_ids())
         self._grammars: GrammarCompiler | None = None
+        if self.runner.compiled:
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Compile (or load from the cache) the graphs of a multi-token extend and a one-token
+        decode before serving, then forget the warm-up's KV and counters."""
+        self.generate(input_ids=[0, 1, 2, 3], sampling_params={"max_new_tokens": 2,
+                                                               "temperature": 0})
+        self.flush_cache()
+        self.scheduler.reset_stats()
 
     @property
     def grammars(self) -> GrammarCompiler:

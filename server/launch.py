@@ -88,8 +88,9 @@ async def serve(engine_config: EngineConfig, http: HTTPConfig) -> int:
                 await asyncio.sleep(0.05)
             print(f"sgl-adapters server ready: http://{http.host}:{http.port} "
                   f"(model {ready.model_name}, {ready.dtype} on {ready.device}, "
-                  f"{ready.attention_backend} attention, KV pool {ready.max_total_tokens} "
-                  f"tokens)", flush=True)
+                  f"{ready.attention_backend} attention, weights {ready.quantization}"
+                  f"{', torch.compile' if ready.compiled else ''}, KV pool "
+                  f"{ready.max_total_tokens} tokens)", flush=True)
             while proc.is_alive():
                 await asyncio.sleep(0.2)
             log.error("the scheduler process died (exit code %s); shutting down", proc.exitcode)

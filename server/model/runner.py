@@ -10,6 +10,12 @@ import torch
 
 from kernels import AttentionInputs, create_attention_backend
 from server.cache.kv_pool import TokenKVPool
+from server.model.compiled import (
+    DEFAULT_CACHE_DIR,
+    compile_forward,
+    register_backend,
+    unregister_backend,
+)
 from server.model.forward_batch import ForwardBatch, ForwardMode, RunnerOutput
 from server.model.llama import LlamaForCausalLM
 from server.model.loader import LoadedModel
@@ -23,27 +29,51 @@ class ModelRunner:
         dtype, device: compute dtype and device of the weights.
         max_positions: RoPE table size (the resolved context length, tokens).
         attention_backend: name passed to :func:`kernels.create_attention_backend`.
+        quantization: "none", "auto", "int4" or "int8" (:mod:`server.model.quantization`);
+            :attr:`quant_report` says what was kept quantized.
+        compile: run the decoder stack through torch.compile (:mod:`server.model.compiled`);
+            CPU only (GPU kernels are launched eagerly).
+        compile_cache_dir: inductor's on-disk cache (None = inductor's default).
     """
 
     def __init__(self, loaded: LoadedModel, kv_pool: TokenKVPool, *, dtype: torch.dtype,
-                 device: str = "cpu", max_positions: int, attention_backend: str = "auto"):
+                 device: str = "cpu", max_positions: int, attention_backend: str = "auto",
+                 quantization: str = "none", compile: bool = False,
+                 compile_cache_dir: str | None = DEFAULT_CACHE_DIR):
         arch = loaded.arch
         if len(kv_pool.k_buffers) != arch.num_layers:
             raise ValueError(f"KV pool has {len(kv_pool.k_buffers)} layers, model {arch.num_layers}")
         self.arch = arch
         self.device = torch.device(device)
-        # Build on the meta device (no random init of parameters that are overwritten anyway),
-        # materialize, load float32 weights, cast once, then compute the float32 RoPE tables.
+        # Build on the meta device: each parameter is allocated (in ``dtype``) or packed
+        # quantized when its tensor arrives, so no float copy of a quantized weight is held.
         with torch.device("meta"):
             model = LlamaForCausalLM(arch, max_positions, loaded.rope_freq_factors)
-        model = model.to_empty(device=self.device)
+        keep = quantization != "none"
         with torch.no_grad():
-            model.load_weights(loaded.weights())
-        self.model = model.to(dtype).eval()
-        self.model.init_rope_cache()
+            self.quant_report = model.load_weights(loaded.weights(keep_quantized=keep),
+                                                   dtype=dtype, device=self.device,
+                                                   quantization=quantization)
+        self.model = model.eval()
         self.kv_pool = kv_pool
         self.attention = create_attention_backend(attention_backend, kv_pool.k_buffers,
                                                   kv_pool.v_buffers)
+        self.compiled = compile and self.device.type == "cpu"
+        self._hidden = self._eager_hidden
+        if self.compiled:
+            self._attn_id = register_backend(self.attention)
+            self._hidden = compile_forward(self._compiled_hidden, compile_cache_dir)
+
+    def _eager_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions, self.attention)
+
+    def _compiled_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions, self.attention, self._attn_id)
+
+    def close(self) -> None:
+        """Release the compiled graph's reference to the attention backend."""
+        if self.compiled:
+            unregister_backend(self._attn_id)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> RunnerOutput:
@@ -60,7 +90,7 @@ class ModelRunner:
             extend_lens=batch.extend_lens,
             out_cache_loc=batch.out_cache_loc.to(dev),
         ))
-        hidden = self.model(batch.input_ids.to(dev), batch.positions.to(dev), self.attention)
+        hidden = self._hidden(batch.input_ids.to(dev), batch.positions.to(dev))
         if batch.logits_indices.numel() == 0:
             return RunnerOutput(torch.empty((0, self.arch.vocab_size), dtype=torch.float32))
         logits = self.model.compute_logits(hidden[batch.logits_indices.to(dev)])

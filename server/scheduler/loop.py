@@ -15,6 +15,7 @@ import logging
 import os
 import time
 
+import torch
 import zmq
 
 from server import protocol as P
@@ -168,14 +169,18 @@ def run_scheduler_process(config: EngineConfig, to_scheduler: str, from_schedule
     recv.connect(to_scheduler)
     send = ctx.socket(zmq.PUSH)
     send.connect(from_scheduler)
+    # Compute threads = the cores this process may run on (the HTTP process stays light).
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
     start = time.perf_counter()
     engine = Engine(config=config)
     mc = engine.config.model
-    log.info("model %s loaded in %.1f s (%s on %s, %s attention, KV pool %d tokens)",
+    quant = engine.runner.quant_report.summary()
+    log.info("model %s loaded in %.1f s (%s on %s, %s attention, weights %s, KV pool %d tokens)",
              engine.model_name, time.perf_counter() - start, mc.dtype, mc.device,
-             mc.attention_backend, engine.config.cache.max_total_tokens)
+             mc.attention_backend, quant, engine.config.cache.max_total_tokens)
     send.send(P.encode(P.Ready(
         model_name=engine.model_name, vocab_size=engine.arch.vocab_size,
         context_len=engine.context_len, max_total_tokens=engine.config.cache.max_total_tokens,
-        dtype=mc.dtype, device=mc.device, attention_backend=mc.attention_backend)))
+        dtype=mc.dtype, device=mc.device, attention_backend=mc.attention_backend,
+        quantization=quant, compiled=engine.runner.compiled)))
     SchedulerLoop(engine, recv, send).serve_forever()
