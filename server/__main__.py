@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
       "radix cache and running requests (default: --mem-fraction of available memory)")
     a("--mem-fraction", "--mem-fraction-static", type=float, default=None, help="fraction of "
       "available memory (RAM on CPU, free GPU memory measured before the weights load on CUDA) "
-      "for the KV pool when --max-total-tokens is not given (default 0.1 on CPU, 0.6 on CUDA)")
+      "for the KV pool when --max-total-tokens is not given (default 0.05 on CPU, 0.6 on CUDA)")
     a("--chunked-prefill-size", type=int, default=1024, help="max new tokens in one prefill "
       "batch; longer prompts are prefilled in chunks (default 1024)")
     a("--schedule-policy", choices=SCHEDULE_POLICIES, default="lpm", help="waiting-queue order: "

@@ -91,7 +91,8 @@ class CacheConfig:
         max_total_tokens: KV pool capacity in tokens (shared by running requests and, from [2/9],
             the radix cache); None = derived from ``mem_fraction`` of available memory.
         mem_fraction: fraction of available host (CPU) or free device (GPU, measured before the
-            weights load) memory for the pool; None = 0.1 on CPU, 0.6 on CUDA.
+            weights load) memory for the pool; None = 0.05 on CPU (~1.1 GiB on a 24 GiB machine: the
+            peak RSS budget of 2.5 GB), 0.6 on CUDA.
         disable_radix_cache: no prefix reuse (the same code path with a tree that never stores).
     """
 
@@ -220,7 +221,7 @@ def resolve(config: EngineConfig, *, kv_elements_per_token: int, model_context_l
     kv_bytes_per_token = kv_elements_per_token * model.torch_dtype.itemsize
     if cache.max_total_tokens is None:
         avail = available_memory_bytes(model.device) if available_bytes is None else available_bytes
-        fraction = cache.mem_fraction or (0.6 if model.device.startswith("cuda") else 0.1)
+        fraction = cache.mem_fraction or (0.6 if model.device.startswith("cuda") else 0.05)
         tokens = int(avail * fraction) // max(kv_bytes_per_token, 1)
         # On CPU, more than ~256k tokens of KV only slows allocation; the cap is generous.
         tokens = min(tokens, 1 << 18)

@@ -35,6 +35,9 @@ from server.scheduler.scheduler import Scheduler
 from server.scheduler.validation import InvalidRequestError
 
 Prompt = str | Sequence[int]
+# Extend passes of at least this many tokens run quantized linears on a dense bf16 copy where
+# the CPU has bf16 dot products (measured break-even ~32 rows; see QuantLinear).
+DENSE_PREFILL_ROWS = 64
 
 
 class Engine:
@@ -76,7 +79,9 @@ class Engine:
                                   max_positions=self.context_len,
                                   attention_backend=mc.attention_backend,
                                   quantization=mc.quantization,
-                                  compile=mc.torch_compile)
+                                  compile=mc.torch_compile,
+                                  dense_prefill_rows=(DENSE_PREFILL_ROWS if mc.device == "cpu"
+                                                      and cpu_has_native_bf16() else None))
         self.cache = CacheManager(self.kv_pool, self.req_table,
                                   RadixCache(disabled=cc.disable_radix_cache))
         self.scheduler = Scheduler(sc, self.cache, vocab_size=loaded.arch.vocab_size,

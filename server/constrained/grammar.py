@@ -222,6 +222,17 @@ class GrammarCompiler:
         return Matcher(m, self._xgr, self.vocab_size, extra)
 
 
+def pack_bitmask(mask):
+    """[V] bool -> [ceil(V / 32)] int32 in xgrammar's bitmask layout."""
+    import torch
+
+    words = -(-mask.numel() // 32)
+    padded = torch.zeros(words * 32, dtype=torch.int64)
+    padded[:mask.numel()] = mask.to(torch.int64)
+    packed = (padded.view(words, 32) << torch.arange(32, dtype=torch.int64)).sum(-1)
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
 class Matcher:
     """One request's cursor in its grammar."""
 
@@ -230,17 +241,25 @@ class Matcher:
 
         self._m = matcher
         self.vocab_size = vocab_size
-        self._extra = extra_mask  # ANDed with the grammar's mask (see json_safe_mask)
-        # reused every step: [1, ceil(vocab / 32)] int32 bitmask and the bit shifts
-        self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
-        self._shifts = torch.arange(32, dtype=torch.int32)
+        # ANDed with the grammar's bitmask (see json_safe_mask), packed the same way
+        self._extra_bits = None if extra_mask is None else pack_bitmask(extra_mask)
+        self._xgr = xgr
+
+    def fill_bitmask(self, bitmask, row: int) -> None:
+        """Write the allowed next tokens into row ``row`` of ``bitmask`` [B, ceil(V / 32)]
+        int32 (xgrammar's layout: bit j of word w = token 32 * w + j)."""
+        self._m.fill_next_token_bitmask(bitmask, row)
+        if self._extra_bits is not None:
+            bitmask[row] &= self._extra_bits
 
     def allowed_mask(self):
         """[vocab_size] bool tensor of the tokens the grammar allows next."""
-        self._m.fill_next_token_bitmask(self._bitmask, 0)
-        bits = (self._bitmask[0].unsqueeze(-1) >> self._shifts) & 1
-        mask = bits.view(-1)[:self.vocab_size].bool()
-        return mask & self._extra if self._extra is not None else mask
+        import torch
+
+        bitmask = self._xgr.allocate_token_bitmask(1, self.vocab_size)
+        self.fill_bitmask(bitmask, 0)
+        bits = (bitmask[0].unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+        return bits.view(-1)[:self.vocab_size].bool()
 
     def accept(self, token_id: int) -> bool:
         """Advance over ``token_id``; False (state unchanged) if the grammar rejects it."""

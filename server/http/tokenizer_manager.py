@@ -12,6 +12,7 @@ Errors raised to the HTTP layer are :class:`ApiError` with an HTTP status and an
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import time
@@ -19,6 +20,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Sequence
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -183,8 +185,13 @@ class TokenizerManager:
                 return_logprob=inp.return_logprob, logprob_start_len=inp.logprob_start_len,
                 top_logprobs_num=inp.top_logprobs_num, namespace=inp.namespace)))
             first = True
+            pending: collections.deque = collections.deque()
             while True:
-                item = await q.get()
+                if not pending:
+                    pending.append(await q.get())
+                while not q.empty():
+                    pending.append(q.get_nowait())
+                item = coalesce(pending)
                 if isinstance(item, P.ReqError):
                     finished = True
                     raise ApiError(item.status, item.message, param=item.param,
@@ -230,6 +237,31 @@ class TokenizerManager:
     async def server_info(self) -> P.ServerInfoReply:
         """Scheduler metrics and invariant-violation count. Raises ApiError(503)."""
         return await self._ask(P.ServerInfoReq(), P.ServerInfoReply)
+
+
+_MERGED_LISTS = ("new_token_ids", "output_token_logprobs", "output_top_logprobs",
+                 "input_token_logprobs", "input_top_logprobs")
+
+
+def coalesce(pending: collections.deque) -> Any:
+    """Take the next message from ``pending``, merging a run of outputs into one: when the
+    handler falls behind the scheduler (a slow client, a busy event loop), several steps go out
+    as one chunk. Text and counters are cumulative (the last wins), token and logprob lists are
+    concatenated; an error is never merged (it is taken by the next call)."""
+    item = pending.popleft()
+    if not isinstance(item, P.ReqOutput) or item.finish_reason is not None:
+        return item
+    merged = None
+    while pending and isinstance(pending[0], P.ReqOutput):
+        nxt = pending.popleft()
+        if merged is None:
+            merged = {k: list(getattr(item, k)) for k in _MERGED_LISTS}
+        for k in _MERGED_LISTS:
+            merged[k].extend(getattr(nxt, k))
+        item = msgspec.structs.replace(nxt, **merged)
+        if item.finish_reason is not None:
+            break
+    return item
 
 
 def _params_dict(params: SamplingParams) -> dict[str, Any]:

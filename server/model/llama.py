@@ -153,12 +153,13 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]], *,
                      dtype: torch.dtype, device: torch.device,
-                     quantization: str = "none") -> QuantReport:
+                     quantization: str = "none",
+                     dense_min_rows: int | None = None) -> QuantReport:
         """Materialize this meta-device model from HF-named tensors (see
         :func:`server.model.weight_loading.load_weights`), then build the RoPE tables.
         Raises WeightLoadError, QuantizationError."""
         report = load_weights(self, weights, self.param_target, dtype=dtype, device=device,
-                              quantization=quantization)
+                              quantization=quantization, dense_min_rows=dense_min_rows)
         self.init_rope_cache()
         return report
 

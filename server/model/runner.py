@@ -34,12 +34,15 @@ class ModelRunner:
         compile: run the decoder stack through torch.compile (:mod:`server.model.compiled`);
             CPU only (GPU kernels are launched eagerly).
         compile_cache_dir: inductor's on-disk cache (None = inductor's default).
+        dense_prefill_rows: quantized linears keep a dense bf16 copy for extend passes of at
+            least this many tokens (:class:`server.model.quantization.QuantLinear`); None = off.
     """
 
     def __init__(self, loaded: LoadedModel, kv_pool: TokenKVPool, *, dtype: torch.dtype,
                  device: str = "cpu", max_positions: int, attention_backend: str = "auto",
                  quantization: str = "none", compile: bool = False,
-                 compile_cache_dir: str | None = DEFAULT_CACHE_DIR):
+                 compile_cache_dir: str | None = DEFAULT_CACHE_DIR,
+                 dense_prefill_rows: int | None = None):
         arch = loaded.arch
         if len(kv_pool.k_buffers) != arch.num_layers:
             raise ValueError(f"KV pool has {len(kv_pool.k_buffers)} layers, model {arch.num_layers}")
@@ -53,7 +56,8 @@ class ModelRunner:
         with torch.no_grad():
             self.quant_report = model.load_weights(loaded.weights(keep_quantized=keep),
                                                    dtype=dtype, device=self.device,
-                                                   quantization=quantization)
+                                                   quantization=quantization,
+                                                   dense_min_rows=dense_prefill_rows)
         self.model = model.eval()
         self.kv_pool = kv_pool
         self.attention = create_attention_backend(attention_backend, kv_pool.k_buffers,

@@ -190,7 +190,9 @@ class SamplingState:
     output_ids: Sequence[int]
     generator: torch.Generator | None
     banned_ids: tuple[int, ...] = ()  # e.g. EOS/stop ids while output < min_new_tokens
-    allowed: torch.Tensor | None = None  # [vocab] bool from the grammar; None = unconstrained
+    # the grammar cursor (``server.constrained.grammar.Matcher``): fills its row of the batch's
+    # token bitmask; None = unconstrained
+    grammar: Any = None
 
 
 @dataclass
@@ -222,8 +224,8 @@ def top_logprobs(logprobs: torch.Tensor, k: int) -> list[list[tuple[float, int]]
 class Sampler:
     """Turns [B, V] float32 logits into next tokens for B requests in one batched pass.
 
-    Rows needing per-request work (penalties, logit bias, banned ids, seeded draws) are handled
-    individually; the rest is vectorized.
+    Logit processors run as one tensor op per kind over the rows that use it; only seeded
+    draws (each request's own generator) are per row.
     """
 
     def __init__(self, seed: int = 0):
@@ -235,8 +237,7 @@ class Sampler:
         """logits: [B, V] float32 (not modified). Returns a SampleOutput of B rows."""
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         logits = logits.clone()
-        for b, st in enumerate(states):
-            self._adjust_row(logits[b], st)
+        self.apply_processors(logits, states)
         next_ids = logits.argmax(dim=-1)
         rows = [b for b, st in enumerate(states) if not st.params.is_greedy]
         if rows:
@@ -250,26 +251,51 @@ class Sampler:
         return SampleOutput(chosen, lp, top_logprobs(raw_logprobs, num_top_logprobs))
 
     @staticmethod
-    def _adjust_row(row: torch.Tensor, st: SamplingState) -> None:
-        p = st.params
-        if p.logit_bias:
-            ids = torch.tensor([t for t, _ in p.logit_bias])
-            row.index_add_(0, ids, torch.tensor([b for _, b in p.logit_bias], dtype=row.dtype))
-        if p.has_penalties:
-            if p.repetition_penalty != 1.0:
-                seen = torch.tensor(sorted(set(st.prompt_ids) | set(st.output_ids)),
-                                    dtype=torch.int64)
-                vals = row[seen]
-                row[seen] = torch.where(vals > 0, vals / p.repetition_penalty,
-                                        vals * p.repetition_penalty)
-            if st.output_ids and (p.frequency_penalty or p.presence_penalty):
-                counts = torch.bincount(torch.tensor(st.output_ids, dtype=torch.int64),
-                                        minlength=row.numel())[:row.numel()].to(row.dtype)
-                row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
-        if st.banned_ids:
-            row[list(st.banned_ids)] = float("-inf")
-        if st.allowed is not None:
-            row.masked_fill_(~st.allowed[:row.numel()], float("-inf"))
+    def apply_processors(logits: torch.Tensor, states: Sequence[SamplingState]) -> None:
+        """Logit bias, repetition/frequency/presence penalties, banned ids and grammar masks,
+        in place on ``logits`` [B, V] float32, each as one batched tensor op over the rows
+        that use it (grammar rows through xgrammar's bitmask apply)."""
+        vocab = logits.shape[-1]
+        bias = [(b, t, v) for b, st in enumerate(states) for t, v in st.params.logit_bias]
+        if bias:
+            rows, toks, vals = zip(*bias)
+            logits.index_put_((torch.tensor(rows), torch.tensor(toks)),
+                              torch.tensor(vals, dtype=logits.dtype), accumulate=True)
+        rep = [(b, st) for b, st in enumerate(states) if st.params.repetition_penalty != 1.0]
+        if rep:  # HF/CTRL: divide positive logits, multiply negative ones (prompt + output)
+            pairs = [(b, t) for b, st in rep for t in set(st.prompt_ids) | set(st.output_ids)]
+            if pairs:
+                rows, toks = (torch.tensor(x) for x in zip(*pairs))
+                pen = torch.tensor([st.params.repetition_penalty for b, st in rep
+                                    for _ in set(st.prompt_ids) | set(st.output_ids)],
+                                   dtype=logits.dtype)
+                vals = logits[rows, toks]
+                logits[rows, toks] = torch.where(vals > 0, vals / pen, vals * pen)
+        freq = [(b, st) for b, st in enumerate(states) if st.output_ids
+                and (st.params.frequency_penalty or st.params.presence_penalty)]
+        if freq:  # OpenAI: output-token counts
+            rows = torch.tensor([b for b, _ in freq])
+            counts = torch.zeros(len(freq), vocab, dtype=logits.dtype)
+            index = torch.tensor([i for i, (_, st) in enumerate(freq) for _ in st.output_ids])
+            toks = torch.tensor([t for _, st in freq for t in st.output_ids])
+            counts.index_put_((index, toks), torch.ones(len(toks), dtype=logits.dtype),
+                              accumulate=True)
+            fp = torch.tensor([st.params.frequency_penalty for _, st in freq])[:, None]
+            pp = torch.tensor([st.params.presence_penalty for _, st in freq])[:, None]
+            logits[rows] -= fp * counts + pp * (counts > 0).to(logits.dtype)
+        banned = [(b, t) for b, st in enumerate(states) for t in st.banned_ids]
+        if banned:
+            rows, toks = zip(*banned)
+            logits[torch.tensor(rows), torch.tensor(toks)] = float("-inf")
+        constrained = [b for b, st in enumerate(states) if st.grammar is not None]
+        if constrained:
+            import xgrammar as xgr
+
+            bitmask = xgr.allocate_token_bitmask(len(states), vocab)
+            for b in constrained:
+                states[b].grammar.fill_bitmask(bitmask, b)
+            xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab,
+                                            indices=constrained)
 
     def _draw(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
         """Temperature, top-k, top-p, min-p, then one multinomial draw per row."""

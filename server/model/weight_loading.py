@@ -41,18 +41,24 @@ class WeightLoadError(RuntimeError):
 class QuantReport:
     """What the loader kept quantized. ``modules``: "int4"/"int8"/"dense" -> module count;
     ``sources``: e.g. "Q4_1" -> tensors; ``weight_bytes``: bytes of all parameters and packed
-    buffers (the resident weight memory)."""
+    buffers; ``prefill_copy_bytes``: of those, the dense bf16 copies kept for long extends."""
 
     mode: str
+    dense_min_rows: int | None = None
     modules: Counter = field(default_factory=Counter)
     sources: Counter = field(default_factory=Counter)
     weight_bytes: int = 0
+    prefill_copy_bytes: int = 0
 
     def summary(self) -> str:
-        """One line for logs and /get_model_info, e.g. "auto: int4 x210 (Q4_1), int8 x1"."""
+        """One line for logs and /get_model_info, e.g.
+        "auto: int4 x120, int8 x1 [Q4_1 x120, Q8_0 -> int8 x1], 91 MiB"."""
         kinds = ", ".join(f"{k} x{n}" for k, n in sorted(self.modules.items()) if n)
         src = ", ".join(f"{s} x{n}" for s, n in sorted(self.sources.items()))
-        return f"{self.mode}: {kinds} [{src}], {self.weight_bytes / 2**20:.0f} MiB"
+        packed = (self.weight_bytes - self.prefill_copy_bytes) / 2**20
+        dense = (f" + {self.prefill_copy_bytes / 2**20:.0f} MiB bf16 copies for extends of >= "
+                 f"{self.dense_min_rows} tokens" if self.prefill_copy_bytes else "")
+        return f"{self.mode}: {kinds} [{src}], {packed:.0f} MiB{dense}"
 
 
 def _module_of(model: nn.Module, name: str) -> tuple[nn.Module, str]:
@@ -62,7 +68,8 @@ def _module_of(model: nn.Module, name: str) -> tuple[nn.Module, str]:
 
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]],
                  param_target: Callable[[str], Target | None], *, dtype: torch.dtype,
-                 device: torch.device, quantization: str = "none") -> QuantReport:
+                 device: torch.device, quantization: str = "none",
+                 dense_min_rows: int | None = None) -> QuantReport:
     """Fill ``model`` (built on the meta device) from ``weights``.
 
     Args:
@@ -71,6 +78,8 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | Q
         dtype, device: of the dense parameters.
         quantization: "none" (dequantize everything), "auto" (keep what arrives quantized),
             "int4" / "int8" (quantize every ``nn.Linear`` weight and ``nn.Embedding``).
+        dense_min_rows: quantized linears also keep a dense bf16 copy for inputs of at least
+            this many rows (prefill on CPUs with native bf16; see :class:`QuantLinear`).
 
     Returns a :class:`QuantReport`. Raises WeightLoadError, QuantizationError.
     """
@@ -117,8 +126,11 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | Q
         module, attr = _module_of(model, name)
         setattr(module, attr, nn.Parameter(t, requires_grad=False))
         report.weight_bytes += t.nbytes
+    if parts:
+        report.dense_min_rows = dense_min_rows
     for name, blocks in parts.items():
-        _install_quantized(model, name, blocks, quantization, dtype, device, report)
+        _install_quantized(model, name, blocks, quantization, dtype, device, report,
+                           dense_min_rows)
     report.modules["dense"] = sum(1 for n in quantizable if n not in parts)
     return report
 
@@ -133,7 +145,8 @@ def _target_kind(blocks: list, quantization: str, n: int, k: int) -> str:
 
 
 def _install_quantized(model: nn.Module, name: str, blocks: list, quantization: str,
-                       dtype: torch.dtype, device: torch.device, report: QuantReport) -> None:
+                       dtype: torch.dtype, device: torch.device, report: QuantReport,
+                       dense_min_rows: int | None) -> None:
     module_name = name.rsplit(".", 1)[0]
     module = model.get_submodule(module_name)
     n, k = module.weight.shape
@@ -153,7 +166,8 @@ def _install_quantized(model: nn.Module, name: str, blocks: list, quantization: 
             else None
         if module.bias is not None and bias is None:
             raise WeightLoadError(f"{module_name}.bias missing from checkpoint")
-        new = QuantLinear(weight, bias)
+        new = QuantLinear(weight, bias, dense_min_rows)
         report.weight_bytes += new.nbytes
+        report.prefill_copy_bytes += 0 if new.dense is None else new.dense.nbytes
     parent, attr = _module_of(model, module_name)
     setattr(parent, attr, new.to(device))

@@ -54,7 +54,7 @@ def sample_and_append(sampler: Sampler, items: Sequence[tuple[Req, int]], logits
     reqs = [r for r, _ in items]
     for r in reqs:
         r.sampling.banned_ids = r.banned_ids()
-        r.sampling.allowed = r.grammar.allowed_mask() if r.grammar is not None else None
+        r.sampling.grammar = r.grammar
     want = any(r.logprobs.return_logprob for r in reqs)
     k = max(r.logprobs.top_logprobs_num for r in reqs)
     sampled = sampler.sample(logits[[i for _, i in items]], [r.sampling for r in reqs],

@@ -30,3 +30,25 @@ def test_round_trip(msg):
 def test_garbage_and_foreign_frames_are_rejected(frame):
     with pytest.raises(P.ProtocolError):
         P.decode(frame)
+
+
+def test_stream_outputs_coalesce_until_an_error_or_the_finish():
+    import collections
+
+    from server.http.tokenizer_manager import coalesce
+
+    def out(ids, text, finish=None, lps=()):
+        return P.ReqOutput("r", ids, text, finish, completion_tokens=len(text),
+                           output_token_logprobs=list(lps))
+
+    pending = collections.deque([out([1], "a", lps=[(-0.1, 1)]), out([2, 3], "abc",
+                                                                       lps=[(-0.2, 2), (-0.3, 3)]),
+                                 P.ReqError("r", "boom"), out([4], "abcd", {"type": "stop"})])
+    first = coalesce(pending)
+    assert (first.new_token_ids, first.text, first.completion_tokens) == ([1, 2, 3], "abc", 3)
+    assert first.output_token_logprobs == [(-0.1, 1), (-0.2, 2), (-0.3, 3)]
+    assert isinstance(coalesce(pending), P.ReqError)  # never merged away
+    last = coalesce(pending)
+    assert last.finish_reason == {"type": "stop"} and not pending
+    pending = collections.deque([out([5], "x", {"type": "length"}), out([6], "xy")])
+    assert coalesce(pending).new_token_ids == [5] and len(pending) == 1  # nothing after a finish

@@ -106,6 +106,18 @@ def test_quant_linear_matches_float_matmul_of_the_same_weights(kind, rows):
     assert layer(x.view(1, rows, K)).shape == (1, rows, N)
 
 
+def test_long_inputs_use_the_dense_bf16_copy_short_ones_the_packed_weight():
+    qw = quantize_int4(torch.from_numpy(_weights()))
+    layer = QuantLinear(qw, dense_min_rows=8)
+    packed_only = QuantLinear(qw)
+    assert layer.dense.dtype == torch.bfloat16 and packed_only.dense is None
+    short, long = torch.randn(7, K), torch.randn(8, K)
+    assert torch.equal(layer(short), packed_only(short))
+    dense_ref = F.linear(long.bfloat16(), qw.dequantize().bfloat16()).float()
+    assert torch.equal(layer(long), dense_ref)
+    assert layer.nbytes == packed_only.nbytes + N * K * 2
+
+
 def test_quant_linear_keeps_its_packed_dtype_through_module_to():
     layer = QuantLinear(quantize_int4(torch.from_numpy(_weights())))
     x = torch.randn(3, K)

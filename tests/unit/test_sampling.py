@@ -96,14 +96,17 @@ def test_logit_bias_and_banned_ids():
 
 
 def test_penalties_follow_openai_and_hf_definitions():
-    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
-    row = logits[0].clone()
-    Sampler._adjust_row(row, _state(SamplingParams(frequency_penalty=0.5, presence_penalty=0.25),
-                                    output=[2, 2, 3]))
-    assert row.tolist() == [2.0, -2.0, 1.0 - 2 * 0.5 - 0.25, 0.5 - 0.5 - 0.25]
-    row = logits[0].clone()
-    Sampler._adjust_row(row, _state(SamplingParams(repetition_penalty=2.0), prompt=[0], output=[1]))
-    assert row.tolist() == [1.0, -4.0, 1.0, 0.5]
+    # three rows in one batch: each processor touches only its own row
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]]).repeat(4, 1)
+    states = [_state(SamplingParams(frequency_penalty=0.5, presence_penalty=0.25),
+                     output=[2, 2, 3]),
+              _state(SamplingParams(repetition_penalty=2.0), prompt=[0, 0], output=[1]),
+              _state(SamplingParams(logit_bias={3: -1.5, 0: 1.0})), _state(SamplingParams())]
+    states[3].banned_ids = (0, 2)
+    Sampler.apply_processors(logits, states)
+    assert logits.tolist() == [[2.0, -2.0, 1.0 - 2 * 0.5 - 0.25, 0.5 - 0.5 - 0.25],
+                               [1.0, -4.0, 1.0, 0.5], [3.0, -2.0, 1.0, -1.0],
+                               [float("-inf"), -2.0, float("-inf"), 0.5]]
 
 
 def test_logprobs_are_raw_log_softmax():
