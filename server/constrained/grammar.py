@@ -237,7 +237,6 @@ class Matcher:
     """One request's cursor in its grammar."""
 
     def __init__(self, matcher: Any, xgr: Any, vocab_size: int, extra_mask: Any = None):
-        import torch
 
         self._m = matcher
         self.vocab_size = vocab_size
