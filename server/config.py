@@ -47,7 +47,8 @@ class ModelConfig:
         quantization: weight-only quantization kept in memory (:mod:`server.model.quantization`):
             "auto" (a GGUF file's own 4-bit types as int4, other quantized types as int8;
             float checkpoints unchanged), "none" (dequantize to ``dtype``), "int4" or "int8"
-            (quantize every linear weight and the token embedding).
+            (quantize every linear weight and the token embedding). CPU only: on CUDA
+            :func:`resolve` makes "auto" "none" and refuses "int4"/"int8".
         torch_compile: run the decoder stack through torch.compile on CPU
             (:mod:`server.model.compiled`; compiled graphs are cached on disk).
     """
@@ -210,6 +211,12 @@ def resolve(config: EngineConfig, *, kv_elements_per_token: int, model_context_l
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     model = dataclasses.replace(model, attention_backend=backend)
+    if model.device.startswith("cuda"):
+        # The packed weight-only matmuls used here are torch's CPU kernels.
+        if model.quantization in ("int4", "int8"):
+            raise ConfigError(f"quantization {model.quantization!r} runs on CPU only (torch's "
+                              "packed CPU matmuls); use 'none' or 'auto' on CUDA")
+        model = dataclasses.replace(model, quantization="none")
     if model.dtype == "auto":
         bf16 = model.device.startswith("cuda") or cpu_native_bf16
         model = dataclasses.replace(model, dtype="bfloat16" if bf16 else "float32")

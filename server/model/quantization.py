@@ -293,7 +293,3 @@ class QuantEmbedding(nn.Module):
             + self.zero.index_select(0, ids)[..., None]
         return w.view(t, -1).to(self.dtype)
 
-
-def linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
-    """Apply an ``nn.Linear`` or :class:`QuantLinear` (a plain helper for tied heads)."""
-    return module(x) if isinstance(module, QuantLinear) else F.linear(x, module.weight, module.bias)

@@ -57,3 +57,15 @@ def test_resolve_refuses_a_tiny_pool():
     with pytest.raises(ConfigError, match="KV pool"):
         resolve(EngineConfig(), kv_elements_per_token=10**6, model_context_length=2048,
                 available_bytes=10**6)
+
+
+def test_quantization_is_cpu_only():
+    kw = dict(kv_elements_per_token=10, model_context_length=64)
+    cuda = EngineConfig.from_kwargs(device="cuda", attention_backend="reference",
+                                    max_total_tokens=1024)
+    assert resolve(cuda, **kw).model.quantization == "none"  # auto: dequantized on a GPU
+    with pytest.raises(ConfigError, match="CPU only"):
+        resolve(EngineConfig.from_kwargs(device="cuda", attention_backend="reference",
+                                         max_total_tokens=1024, quantization="int4"), **kw)
+    cpu = EngineConfig.from_kwargs(max_total_tokens=1024)
+    assert resolve(cpu, **kw).model.quantization == "auto"
