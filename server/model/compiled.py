@@ -42,6 +42,7 @@ def register_backend(backend: AttentionBackend) -> int:
 
 
 def unregister_backend(key: int) -> None:
+    """Forget backend ``key`` (idempotent); graphs compiled against it must not run again."""
     _backends.pop(key, None)
 
 

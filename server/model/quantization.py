@@ -277,10 +277,11 @@ class QuantEmbedding(nn.Module):
             self.as_linear.packed = self.q  # the same int8 tensor
 
     def _apply(self, fn, recurse=True):
+        # as QuantLinear: follow device moves, never dtype casts of the scales
         keep = {n: getattr(self, n) for n in ("q", "scale", "zero")}
         out = super()._apply(fn, recurse)
         for n, t in keep.items():
-            setattr(self, n, t)
+            setattr(self, n, None if t is None else t.to(self.q.device))
         return out
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

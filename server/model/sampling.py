@@ -263,12 +263,12 @@ class Sampler:
                               torch.tensor(vals, dtype=logits.dtype), accumulate=True)
         rep = [(b, st) for b, st in enumerate(states) if st.params.repetition_penalty != 1.0]
         if rep:  # HF/CTRL: divide positive logits, multiply negative ones (prompt + output)
-            pairs = [(b, t) for b, st in rep for t in set(st.prompt_ids) | set(st.output_ids)]
-            if pairs:
-                rows, toks = (torch.tensor(x) for x in zip(*pairs))
-                pen = torch.tensor([st.params.repetition_penalty for b, st in rep
-                                    for _ in set(st.prompt_ids) | set(st.output_ids)],
-                                   dtype=logits.dtype)
+            triples = [(b, t, st.params.repetition_penalty) for b, st in rep
+                       for t in set(st.prompt_ids).union(st.output_ids)]
+            if triples:
+                rows, toks, pens = zip(*triples)
+                rows, toks = torch.tensor(rows), torch.tensor(toks)
+                pen = torch.tensor(pens, dtype=logits.dtype)
                 vals = logits[rows, toks]
                 logits[rows, toks] = torch.where(vals > 0, vals / pen, vals * pen)
         freq = [(b, st) for b, st in enumerate(states) if st.output_ids
