@@ -9,8 +9,10 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def shared_data_dir() -> str | None:
-    """``../shared/data`` next to the repository (DESIGN.md §6), or None when absent."""
-    path = os.path.join(os.path.dirname(REPO_ROOT), "shared", "data")
+    """``$SGL_SHARED_DATA`` if set, else ``../shared/data`` next to the repository (DESIGN.md
+    §6); None when absent (e.g. on a GPU machine that received only the checkout)."""
+    path = os.environ.get("SGL_SHARED_DATA") or os.path.join(os.path.dirname(REPO_ROOT),
+                                                             "shared", "data")
     return path if os.path.isdir(path) else None
 
 

@@ -15,7 +15,16 @@ from tests.live_server import ServerProcess
 
 @pytest.fixture(scope="session")
 def default_tokenizer():
-    """The default model's tokenizer (converted from its GGUF once, then cached on disk)."""
+    """The default model's tokenizer (converted from its GGUF once, then cached on disk), or,
+    where the default model is not installed (a GPU machine that received only the checkout),
+    the saved copy in ``$SGL_TOKENIZER_DIR``."""
+    import os
+
+    saved = os.environ.get("SGL_TOKENIZER_DIR")
+    if saved:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(saved)
     return load_model(default_model_path()).tokenizer
 
 
