@@ -222,10 +222,14 @@ def top_logprobs(logprobs: torch.Tensor, k: int) -> list[list[tuple[float, int]]
 
 
 class Sampler:
-    """Turns [B, V] float32 logits into next tokens for B requests in one batched pass.
+    """Turns [B, V] float32 logits into next tokens for B requests in one batched pass, on the
+    logits' device (CPU or CUDA).
 
-    Logit processors run as one tensor op per kind over the rows that use it; only seeded
-    draws (each request's own generator) are per row.
+    Logit processors run as one tensor op per kind over the rows that use it. Draws are by
+    inverse CDF: each sampled row takes one uniform number from its request's generator (or the
+    sampler's), drawn on the host, so a seeded request gives the same tokens on any device and
+    in any batch. The chosen ids, their logprobs and the top logprobs cross to the host in one
+    copy (the step's only device-to-host transfer on CUDA).
     """
 
     def __init__(self, seed: int = 0):
@@ -234,59 +238,71 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, states: Sequence[SamplingState], *,
                want_logprobs: bool = False, num_top_logprobs: int = 0) -> SampleOutput:
-        """logits: [B, V] float32 (not modified). Returns a SampleOutput of B rows."""
+        """logits: [B, V] float32 on any device (not modified). Returns B rows."""
+        b = logits.shape[0]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         logits = logits.clone()
         self.apply_processors(logits, states)
         next_ids = logits.argmax(dim=-1)
-        rows = [b for b, st in enumerate(states) if not st.params.is_greedy]
+        rows = [i for i, st in enumerate(states) if not st.params.is_greedy]
         if rows:
-            idx = torch.tensor(rows)
-            drawn = self._draw(logits[idx], [states[b] for b in rows])
-            next_ids[idx] = drawn
-        chosen = next_ids.tolist()
+            idx = _index(rows, logits.device)
+            next_ids[idx] = self._draw(logits[idx], [states[i] for i in rows])
         if raw_logprobs is None:
-            return SampleOutput(chosen, None, None)
-        lp = raw_logprobs.gather(1, next_ids[:, None]).squeeze(1).tolist()
-        return SampleOutput(chosen, lp, top_logprobs(raw_logprobs, num_top_logprobs))
+            return SampleOutput(next_ids.tolist(), None, None)
+        # One transfer: [B, 2 + 2k] float64 of (id, logprob, top logprobs, top ids); ids below
+        # 2**53 are exact in float64.
+        k = min(max(num_top_logprobs, 0), logits.shape[-1])
+        parts = [next_ids[:, None].double(), raw_logprobs.gather(1, next_ids[:, None]).double()]
+        if k:
+            vals, ids = raw_logprobs.topk(k, dim=-1)
+            parts += [vals.double(), ids.double()]
+        host = torch.cat(parts, dim=1).cpu()
+        chosen = host[:, 0].long().tolist()
+        lp = host[:, 1].tolist()
+        if not k:
+            return SampleOutput(chosen, lp, [[] for _ in range(b)])
+        vals, ids = host[:, 2:2 + k].tolist(), host[:, 2 + k:].long().tolist()
+        return SampleOutput(chosen, lp, [list(zip(v, i)) for v, i in zip(vals, ids)])
 
     @staticmethod
     def apply_processors(logits: torch.Tensor, states: Sequence[SamplingState]) -> None:
         """Logit bias, repetition/frequency/presence penalties, banned ids and grammar masks,
-        in place on ``logits`` [B, V] float32, each as one batched tensor op over the rows
-        that use it (grammar rows through xgrammar's bitmask apply)."""
-        vocab = logits.shape[-1]
+        in place on ``logits`` [B, V] float32 (any device), each as one batched tensor op over
+        the rows that use it (grammar rows through xgrammar's bitmask apply: the bitmask is
+        filled on the host and applied on the logits' device)."""
+        vocab, dev = logits.shape[-1], logits.device
         bias = [(b, t, v) for b, st in enumerate(states) for t, v in st.params.logit_bias]
         if bias:
             rows, toks, vals = zip(*bias)
-            logits.index_put_((torch.tensor(rows), torch.tensor(toks)),
-                              torch.tensor(vals, dtype=logits.dtype), accumulate=True)
+            logits.index_put_((_index(rows, dev), _index(toks, dev)),
+                              _values(vals, logits.dtype, dev), accumulate=True)
         rep = [(b, st) for b, st in enumerate(states) if st.params.repetition_penalty != 1.0]
         if rep:  # HF/CTRL: divide positive logits, multiply negative ones (prompt + output)
             triples = [(b, t, st.params.repetition_penalty) for b, st in rep
                        for t in set(st.prompt_ids).union(st.output_ids)]
             if triples:
                 rows, toks, pens = zip(*triples)
-                rows, toks = torch.tensor(rows), torch.tensor(toks)
-                pen = torch.tensor(pens, dtype=logits.dtype)
+                rows, toks = _index(rows, dev), _index(toks, dev)
+                pen = _values(pens, logits.dtype, dev)
                 vals = logits[rows, toks]
                 logits[rows, toks] = torch.where(vals > 0, vals / pen, vals * pen)
         freq = [(b, st) for b, st in enumerate(states) if st.output_ids
                 and (st.params.frequency_penalty or st.params.presence_penalty)]
         if freq:  # OpenAI: output-token counts
-            rows = torch.tensor([b for b, _ in freq])
-            counts = torch.zeros(len(freq), vocab, dtype=logits.dtype)
-            index = torch.tensor([i for i, (_, st) in enumerate(freq) for _ in st.output_ids])
-            toks = torch.tensor([t for _, st in freq for t in st.output_ids])
-            counts.index_put_((index, toks), torch.ones(len(toks), dtype=logits.dtype),
+            rows = _index([b for b, _ in freq], dev)
+            counts = torch.zeros(len(freq), vocab, dtype=logits.dtype, device=dev)
+            index = _index([i for i, (_, st) in enumerate(freq) for _ in st.output_ids], dev)
+            toks = _index([t for _, st in freq for t in st.output_ids], dev)
+            counts.index_put_((index, toks), torch.ones(len(toks), dtype=logits.dtype, device=dev),
                               accumulate=True)
-            fp = torch.tensor([st.params.frequency_penalty for _, st in freq])[:, None]
-            pp = torch.tensor([st.params.presence_penalty for _, st in freq])[:, None]
-            logits[rows] -= fp * counts + pp * (counts > 0).to(logits.dtype)
+            fp = _values([st.params.frequency_penalty for _, st in freq], logits.dtype, dev)
+            pp = _values([st.params.presence_penalty for _, st in freq], logits.dtype, dev)
+            logits[rows] -= fp[:, None] * counts + pp[:, None] * (counts > 0).to(logits.dtype)
         banned = [(b, t) for b, st in enumerate(states) for t in st.banned_ids]
         if banned:
             rows, toks = zip(*banned)
-            logits[torch.tensor(rows), torch.tensor(toks)] = float("-inf")
+            logits[_index(rows, dev), _index(toks, dev)] = float("-inf")
         constrained = [b for b, st in enumerate(states) if st.grammar is not None]
         if constrained:
             import xgrammar as xgr
@@ -294,30 +310,48 @@ class Sampler:
             bitmask = xgr.allocate_token_bitmask(len(states), vocab)
             for b in constrained:
                 states[b].grammar.fill_bitmask(bitmask, b)
+            if dev.type != "cpu":
+                bitmask = bitmask.pin_memory().to(dev, non_blocking=True)
             xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab,
                                             indices=constrained)
 
     def _draw(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
-        """Temperature, top-k, top-p, min-p, then one multinomial draw per row."""
-        temps = torch.tensor([st.params.temperature for st in states])[:, None]
+        """Temperature, top-k, top-p, min-p (decided in descending-probability order), then
+        one inverse-CDF draw per row over the kept probabilities in token-id order: the first
+        id whose cumulative mass exceeds u times the total, u ~ U[0, 1) from the row's
+        generator. Token-id order (not rank order) keeps the draw stable when logits change in
+        the last bits (another batch composition): near-equal tokens swapping ranks would
+        otherwise change which token a given u selects."""
+        dev = logits.device
+        temps = _values([st.params.temperature for st in states], logits.dtype, dev)[:, None]
         sorted_logits, sorted_ids = (logits / temps).sort(dim=-1, descending=True)
         probs = torch.softmax(sorted_logits, dim=-1)
         vocab = logits.shape[-1]
-        top_k = torch.tensor([st.params.top_k if st.params.top_k > 0 else vocab for st in states])
-        top_p = torch.tensor([st.params.top_p for st in states])[:, None]
-        min_p = torch.tensor([st.params.min_p for st in states])[:, None]
-        ranks = torch.arange(vocab)[None, :]
+        top_k = _index([st.params.top_k if st.params.top_k > 0 else vocab for st in states], dev)
+        top_p = _values([st.params.top_p for st in states], logits.dtype, dev)[:, None]
+        min_p = _values([st.params.min_p for st in states], logits.dtype, dev)[:, None]
+        ranks = torch.arange(vocab, device=dev)[None, :]
         drop = ranks >= top_k[:, None]
         drop |= (probs.cumsum(dim=-1) - probs) > top_p  # keep the smallest set reaching top_p
         drop |= probs < min_p * probs[:, :1]
         drop[:, 0] = False  # the most likely token always survives
-        probs = probs.masked_fill(drop, 0.0)
-        out = torch.empty(len(states), dtype=torch.int64)
-        unseeded = [i for i, st in enumerate(states) if st.generator is None]
-        if unseeded:
-            u = torch.tensor(unseeded)
-            out[u] = torch.multinomial(probs[u], 1, generator=self.generator).squeeze(1)
-        for i, st in enumerate(states):
-            if st.generator is not None:
-                out[i] = torch.multinomial(probs[i], 1, generator=st.generator)[0]
-        return sorted_ids.gather(1, out[:, None]).squeeze(1)
+        # float64 running sum: ~1e5 additions must not add rounding of their own.
+        kept = torch.zeros(probs.shape, dtype=torch.float64, device=dev).scatter_(
+            1, sorted_ids, probs.double().masked_fill(drop, 0.0)).cumsum_(dim=-1)
+        u = torch.tensor([float(torch.rand((), generator=st.generator or self.generator))
+                          for st in states], dtype=torch.float64)
+        if dev.type != "cpu":
+            u = u.pin_memory().to(dev, non_blocking=True)
+        target = (u * kept[:, -1])[:, None]
+        return torch.searchsorted(kept, target, right=True).clamp_(max=vocab - 1).squeeze(1)
+
+
+def _index(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    """int64 index tensor on ``device`` (pinned, non-blocking host-to-device copy on CUDA)."""
+    t = torch.tensor(values, dtype=torch.int64)
+    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
+
+
+def _values(values: Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    t = torch.tensor(values, dtype=dtype)
+    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)

@@ -34,12 +34,22 @@ def record_input_logprobs(req: Req, positions: Sequence[int], rows: Sequence[int
     pairs = [(p, r) for p, r in zip(positions, rows) if p + 1 < len(req.input_ids)]
     if not pairs:
         return
-    lp = torch.log_softmax(logits[[r for _, r in pairs]], dim=-1)
-    targets = torch.tensor([req.input_ids[p + 1] for p, _ in pairs])
-    chosen = lp.gather(1, targets[:, None]).squeeze(1).tolist()
-    req.input_token_logprobs.extend(zip(chosen, targets.tolist()))
+    lp = torch.log_softmax(take_rows(logits, [r for _, r in pairs]), dim=-1)
+    targets = [req.input_ids[p + 1] for p, _ in pairs]
+    index = torch.tensor(targets, device=lp.device)[:, None]
+    chosen = lp.gather(1, index).squeeze(1).tolist()
+    req.input_token_logprobs.extend(zip(chosen, targets))
     if req.logprobs.top_logprobs_num:
         req.input_top_logprobs.extend(top_logprobs(lp, req.logprobs.top_logprobs_num))
+
+
+def take_rows(logits: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
+    """logits[rows] ([len(rows), V]); a view, with no index tensor to copy to the device, when
+    the rows are 0..n-1 (every decode step)."""
+    n = len(rows)
+    if all(r == i for i, r in enumerate(rows)):
+        return logits[:n]
+    return logits[torch.tensor(rows, device=logits.device)]
 
 
 def sample_and_append(sampler: Sampler, items: Sequence[tuple[Req, int]], logits: torch.Tensor,
@@ -57,7 +67,7 @@ def sample_and_append(sampler: Sampler, items: Sequence[tuple[Req, int]], logits
         r.sampling.grammar = r.grammar
     want = any(r.logprobs.return_logprob for r in reqs)
     k = max(r.logprobs.top_logprobs_num for r in reqs)
-    sampled = sampler.sample(logits[[i for _, i in items]], [r.sampling for r in reqs],
+    sampled = sampler.sample(take_rows(logits, [i for _, i in items]), [r.sampling for r in reqs],
                              want_logprobs=want, num_top_logprobs=k)
     out = []
     for i, (req, tok) in enumerate(zip(reqs, sampled.next_ids)):
