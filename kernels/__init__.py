@@ -14,6 +14,8 @@ from kernels.base import AttentionBackend, AttentionInputs
 from kernels.reference import ReferenceAttention
 
 ATTENTION_BACKENDS = ("auto", "reference", "triton", "flashinfer")
+FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
+FLASHINFER_HEAD_DIMS = (64, 128, 256)
 _NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
@@ -39,8 +41,10 @@ def triton_interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def unavailable_reason(name: str, device: torch.device) -> str | None:
-    """Why backend ``name`` cannot run with KV buffers on ``device``; None when it can."""
+def unavailable_reason(name: str, device: torch.device, dtype: torch.dtype | None = None,
+                       head_dim: int | None = None) -> str | None:
+    """Why backend ``name`` cannot run with KV buffers on ``device`` (of ``dtype`` and
+    ``head_dim`` when given); None when it can."""
     if name == "reference":
         return None
     if name == "triton":
@@ -54,24 +58,30 @@ def unavailable_reason(name: str, device: torch.device) -> str | None:
             return "flashinfer is not installed (pip install flashinfer-python)"
         if device.type != "cuda":
             return "FlashInfer needs the KV pool on a CUDA device"
+        if dtype is not None and dtype not in FLASHINFER_DTYPES:
+            return f"FlashInfer's kernels run float16/bfloat16, not {dtype}"
+        if head_dim is not None and head_dim not in FLASHINFER_HEAD_DIMS:
+            return f"FlashInfer's kernels are built for head_dim 64/128/256, not {head_dim}"
         return None
     return f"unknown attention backend {name!r}"
 
 
-def resolve_attention_backend(name: str, device: torch.device) -> str:
-    """The concrete backend for ``name`` on ``device``. "auto": FlashInfer, else Triton, on a
-    CUDA device where installed; the reference everywhere else (including CPU with Triton's
-    interpreter, which is for tests, not speed). Raises ValueError for an unknown name or an
-    unavailable backend, saying why."""
+def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtype | None = None,
+                              head_dim: int | None = None) -> str:
+    """The concrete backend for ``name`` on ``device`` (for a KV ``dtype`` and ``head_dim``,
+    when given). "auto": FlashInfer, else Triton, on a CUDA device where installed and able
+    (FlashInfer: fp16/bf16, head_dim 64/128/256); the reference everywhere else (including CPU
+    with Triton's interpreter, which is for tests, not speed). Raises ValueError for an
+    unknown name or an unavailable backend, saying why."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
     if name == "auto":
         if device.type == "cuda":
             for candidate in ("flashinfer", "triton"):
-                if unavailable_reason(candidate, device) is None:
+                if unavailable_reason(candidate, device, dtype, head_dim) is None:
                     return candidate
         return "reference"
-    reason = unavailable_reason(name, device)
+    reason = unavailable_reason(name, device, dtype, head_dim)
     if reason is not None:
         raise ValueError(f"attention backend {name!r} is unavailable: {reason}")
     return name
@@ -82,7 +92,8 @@ def create_attention_backend(name: str, k_buffers: list[torch.Tensor],
     """Build attention backend ``name`` (see :func:`resolve_attention_backend`) over the pool's
     per-layer buffers ([capacity, num_kv_heads, head_dim] each). Raises ValueError for an
     unknown or unavailable backend."""
-    name = resolve_attention_backend(name, k_buffers[0].device)
+    name = resolve_attention_backend(name, k_buffers[0].device, k_buffers[0].dtype,
+                                     k_buffers[0].shape[-1])
     if name == "triton":
         from kernels.triton import TritonAttention
 

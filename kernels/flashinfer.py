@@ -33,9 +33,10 @@ class FlashInferAttention:
         self.k_buffers, self.v_buffers = k_buffers, v_buffers
         self.device = k_buffers[0].device
         self.num_kv_heads, self.head_dim = k_buffers[0].shape[1], k_buffers[0].shape[2]
-        workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
-        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
-        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+        self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
+        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD")
+        self._graph = None
         self._pages = [(k.unsqueeze(1), v.unsqueeze(1)) for k, v in zip(k_buffers, v_buffers)]
         self.inputs: AttentionInputs | None = None
         self._planned = False
@@ -62,8 +63,45 @@ class FlashInferAttention:
                                       output_size=total)
         pos = torch.arange(total, device=dev) - starts[seq]
         self._kv_indices = inputs.req_to_token[rows[seq], pos].to(torch.int32)
-        self._last_page_len = torch.ones(len(inputs.req_rows), dtype=torch.int32, device=dev)
+        # On the host: plan() reads last_page_len back to the CPU (a device sync if it were
+        # on the GPU) and copies it to the device itself.
+        self._last_page_len = torch.ones(len(inputs.req_rows), dtype=torch.int32)
         self._planned = False
+        self._graph = None
+
+    supports_cuda_graph = True
+
+    def init_cuda_graph(self, max_bs: int, max_kv_tokens: int, num_q_heads: int, scale: float,
+                        dtype: torch.dtype) -> None:
+        """Allocate what captured decodes share: the page-index buffer ([max_kv_tokens] int32,
+        the pool's capacity) and the plan arguments. Each batch-size bucket gets its own
+        ``use_cuda_graph`` decode wrapper on first use (FlashInfer fixes the batch size of a
+        graph wrapper)."""
+        self._graph_indices = torch.zeros(max_kv_tokens, dtype=torch.int32, device=self.device)
+        self._graph_wrappers: dict[int, object] = {}
+        self._graph_plan = dict(num_qo_heads=num_q_heads, num_kv_heads=self.num_kv_heads,
+                                head_dim=self.head_dim, page_size=1, sm_scale=scale,
+                                q_data_type=dtype, kv_data_type=self.k_buffers[0].dtype)
+
+    def begin_graph_decode(self, inputs: AttentionInputs, req_rows: torch.Tensor,
+                           seq_lens: torch.Tensor) -> None:
+        """Plan the bucket's graph wrapper for this step (host-side scheduling plus
+        non-blocking copies into its static buffers), before capture or replay."""
+        import flashinfer
+
+        bs = len(inputs.req_rows)
+        wrapper = self._graph_wrappers.get(bs)
+        if wrapper is None:
+            wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self._workspace, "NHD", use_cuda_graph=True,
+                paged_kv_indptr_buffer=torch.zeros(bs + 1, dtype=torch.int32, device=self.device),
+                paged_kv_indices_buffer=self._graph_indices,
+                paged_kv_last_page_len_buffer=torch.ones(bs, dtype=torch.int32,
+                                                         device=self.device))
+            self._graph_wrappers[bs] = wrapper
+        self.begin(inputs)
+        wrapper.plan(self._kv_indptr, self._kv_indices, self._last_page_len, **self._graph_plan)
+        self._graph, self._planned = wrapper, True
 
     def store_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         loc = self.inputs.out_cache_loc
@@ -86,7 +124,7 @@ class FlashInferAttention:
     def attend(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
         if not self._planned:
             self._plan(q, scale)
-        wrapper = self._decode if self.inputs.is_decode else self._prefill
+        wrapper = self._graph or (self._decode if self.inputs.is_decode else self._prefill)
         return wrapper.run(q.contiguous(), self._pages[layer])
 
 

@@ -49,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--enable-torch-compile", action="store_true", help="compile the decoder stack with "
       "torch.compile on CPU (first start compiles for ~1-2 min; later starts load the cached "
       "graphs from ~/.cache/sgl-adapters/inductor)")
+    a("--disable-cuda-graph", action="store_true", help="on CUDA, run decode steps eagerly "
+      "instead of replaying captured CUDA graphs")
+    a("--cuda-graph-max-bs", type=int, default=256, help="largest decode batch replayed from a "
+      "captured CUDA graph (default 256); larger batches run eagerly")
     a("--context-length", type=int, default=None, help="max prompt + output tokens (default: "
       "the model's)")
     a("--max-total-tokens", type=int, default=None, help="KV pool size in tokens, shared by the "
@@ -80,7 +84,9 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, HTTPConfi
                           served_model_name=args.served_model_name,
                           attention_backend=args.attention_backend,
                           quantization=args.quantization,
-                          torch_compile=args.enable_torch_compile),
+                          torch_compile=args.enable_torch_compile,
+                          disable_cuda_graph=args.disable_cuda_graph,
+                          cuda_graph_max_bs=args.cuda_graph_max_bs),
         cache=CacheConfig(max_total_tokens=args.max_total_tokens, mem_fraction=args.mem_fraction,
                           disable_radix_cache=args.disable_radix_cache),
         scheduler=SchedulerConfig(max_running_requests=args.max_running_requests,

@@ -51,6 +51,10 @@ class ModelConfig:
             :func:`resolve` makes "auto" "none" and refuses "int4"/"int8".
         torch_compile: run the decoder stack through torch.compile on CPU
             (:mod:`server.model.compiled`; compiled graphs are cached on disk).
+        disable_cuda_graph: on CUDA, run decode steps eagerly instead of replaying CUDA graphs
+            captured per batch-size bucket (:mod:`server.model.cuda_graph`). No effect on CPU.
+        cuda_graph_max_bs: largest decode batch served by a captured graph (tokens = requests);
+            larger decode batches run eagerly.
     """
 
     path: str | None = None
@@ -61,8 +65,12 @@ class ModelConfig:
     attention_backend: str = "auto"
     quantization: str = "auto"
     torch_compile: bool = False
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int = 256
 
     def __post_init__(self) -> None:
+        if self.cuda_graph_max_bs < 1:
+            raise ConfigError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
         if self.quantization not in QUANTIZATION_MODES:
             raise ConfigError(f"quantization must be one of {QUANTIZATION_MODES}, got "
                               f"{self.quantization!r}")
@@ -189,7 +197,8 @@ def available_memory_bytes(device: str) -> int:
 
 
 def resolve(config: EngineConfig, *, kv_elements_per_token: int, model_context_length: int,
-            available_bytes: int | None = None, cpu_native_bf16: bool = False) -> EngineConfig:
+            available_bytes: int | None = None, cpu_native_bf16: bool = False,
+            head_dim: int | None = None) -> EngineConfig:
     """Return a copy of ``config`` with every "auto"/None value made concrete.
 
     Args:
@@ -197,6 +206,7 @@ def resolve(config: EngineConfig, *, kv_elements_per_token: int, model_context_l
             (2 * layers * kv_heads * head_dim); multiplied by the resolved dtype's size.
         model_context_length: the model's own maximum sequence length in tokens.
         available_bytes: memory to size the pool from; None = measured on ``config.model.device``.
+        head_dim: the model's attention head size (backends support only some; None = any).
         cpu_native_bf16: the CPU has bf16 instructions (``kernels.cpu_has_native_bf16``); then
             "auto" picks bfloat16 on CPU too (measured 1.8-6x faster matmuls than float32).
 
@@ -206,11 +216,6 @@ def resolve(config: EngineConfig, *, kv_elements_per_token: int, model_context_l
     model, cache = config.model, config.cache
     if model.device == "auto":
         model = dataclasses.replace(model, device="cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        backend = resolve_attention_backend(model.attention_backend, torch.device(model.device))
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from exc
-    model = dataclasses.replace(model, attention_backend=backend)
     if model.device.startswith("cuda"):
         # The packed weight-only matmuls used here are torch's CPU kernels.
         if model.quantization in ("int4", "int8"):
@@ -220,6 +225,12 @@ def resolve(config: EngineConfig, *, kv_elements_per_token: int, model_context_l
     if model.dtype == "auto":
         bf16 = model.device.startswith("cuda") or cpu_native_bf16
         model = dataclasses.replace(model, dtype="bfloat16" if bf16 else "float32")
+    try:
+        backend = resolve_attention_backend(model.attention_backend, torch.device(model.device),
+                                            model.torch_dtype, head_dim)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    model = dataclasses.replace(model, attention_backend=backend)
     ctx = model.context_length or model_context_length
     if ctx > model_context_length:
         raise ConfigError(

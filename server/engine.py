@@ -65,7 +65,8 @@ class Engine:
         loaded = load_model(config.model.path)
         self.config = resolve(config, kv_elements_per_token=loaded.arch.kv_elements_per_token,
                               model_context_length=loaded.arch.max_position_embeddings,
-                              cpu_native_bf16=cpu_has_native_bf16())
+                              cpu_native_bf16=cpu_has_native_bf16(),
+                              head_dim=loaded.arch.head_dim)
         mc, cc, sc = self.config.model, self.config.cache, self.config.scheduler
         self.arch = loaded.arch
         self.tokenizer = loaded.tokenizer
@@ -81,7 +82,11 @@ class Engine:
                                   quantization=mc.quantization,
                                   compile=mc.torch_compile,
                                   dense_prefill_rows=(DENSE_PREFILL_ROWS if mc.device == "cpu"
-                                                      and cpu_has_native_bf16() else None))
+                                                      and cpu_has_native_bf16() else None),
+                                  cuda_graph_max_bs=(0 if mc.disable_cuda_graph else
+                                                     min(mc.cuda_graph_max_bs,
+                                                         sc.max_running_requests)),
+                                  req_to_token=self.req_table.table)
         self.cache = CacheManager(self.kv_pool, self.req_table,
                                   RadixCache(disabled=cc.disable_radix_cache))
         self.scheduler = Scheduler(sc, self.cache, vocab_size=loaded.arch.vocab_size,

@@ -46,6 +46,20 @@ class TritonAttention:
         self._max_extend = max(inputs.extend_lens, default=0)
         self._loc = inputs.out_cache_loc
 
+    supports_cuda_graph = True
+
+    def init_cuda_graph(self, max_bs: int, max_kv_tokens: int, num_q_heads: int, scale: float,
+                        dtype: torch.dtype) -> None:
+        """Nothing to allocate: a captured decode reads the graph runner's static buffers."""
+
+    def begin_graph_decode(self, inputs: AttentionInputs, req_rows: torch.Tensor,
+                           seq_lens: torch.Tensor) -> None:
+        """Point decode at static device buffers ([bs] int64 rows and KV lengths, and
+        ``inputs.out_cache_loc``), the same tensors at capture and at every replay, so the
+        captured kernels read each step's values."""
+        self.inputs = inputs
+        self._rows, self._seq, self._loc = req_rows, seq_lens, inputs.out_cache_loc
+
     def store_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         fused.store_kv(k, v, self.k_buffers[layer], self.v_buffers[layer], self._loc)
 

@@ -16,6 +16,7 @@ from server.model.compiled import (
     register_backend,
     unregister_backend,
 )
+from server.model.cuda_graph import CudaGraphRunner
 from server.model.forward_batch import ForwardBatch, ForwardMode, RunnerOutput
 from server.model.llama import LlamaForCausalLM
 from server.model.loader import LoadedModel
@@ -34,6 +35,9 @@ class ModelRunner:
         compile: run the decoder stack through torch.compile (:mod:`server.model.compiled`);
             CPU only (GPU kernels are launched eagerly).
         compile_cache_dir: inductor's on-disk cache (None = inductor's default).
+        cuda_graph_max_bs: on CUDA with a backend that supports it, decode batches up to this
+            size replay captured CUDA graphs (:mod:`server.model.cuda_graph`); 0 = eager.
+        req_to_token: the request table [R, max_context] int64 (needed for CUDA graphs).
         dense_prefill_rows: quantized linears keep a dense bf16 copy for extend passes of at
             least this many tokens (:class:`server.model.quantization.QuantLinear`); None = off.
     """
@@ -42,7 +46,8 @@ class ModelRunner:
                  device: str = "cpu", max_positions: int, attention_backend: str = "auto",
                  quantization: str = "none", compile: bool = False,
                  compile_cache_dir: str | None = DEFAULT_CACHE_DIR,
-                 dense_prefill_rows: int | None = None):
+                 dense_prefill_rows: int | None = None, cuda_graph_max_bs: int = 0,
+                 req_to_token: torch.Tensor | None = None):
         arch = loaded.arch
         if len(kv_pool.k_buffers) != arch.num_layers:
             raise ValueError(f"KV pool has {len(kv_pool.k_buffers)} layers, model {arch.num_layers}")
@@ -67,6 +72,19 @@ class ModelRunner:
         if self.compiled:
             self._attn_id = register_backend(self.attention)
             self._hidden = compile_forward(self._compiled_hidden, compile_cache_dir)
+        self.graphs: CudaGraphRunner | None = None
+        if (self.device.type == "cuda" and cuda_graph_max_bs > 0 and req_to_token is not None
+                and getattr(self.attention, "supports_cuda_graph", False)):
+            model, attention = self.model, self.attention  # no reference back to the runner
+
+            def decode_logits(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+                return model.compute_logits(model(input_ids, positions, attention))
+
+            self.graphs = CudaGraphRunner(
+                decode_logits, self.attention, req_to_token, max_bs=cuda_graph_max_bs,
+                num_q_heads=arch.num_heads, scale=arch.head_dim ** -0.5, dtype=dtype,
+                # page indices of one step: shared prefixes count once per sequence
+                max_kv_tokens=cuda_graph_max_bs * req_to_token.shape[1])
 
     def _eager_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions, self.attention)
@@ -83,9 +101,15 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch) -> RunnerOutput:
         """Run one pass; writes the new tokens' K/V into ``batch.out_cache_loc``.
 
-        Returns logits [len(batch.logits_indices), vocab] float32.
+        Returns logits [len(batch.logits_indices), vocab] float32 on the model's device (a
+        decode step on CUDA replays a captured graph when one fits the batch).
         """
         dev = self.device
+        if (self.graphs is not None and batch.mode is ForwardMode.DECODE
+                and batch.batch_size <= self.graphs.max_bs):
+            return RunnerOutput(self.graphs.replay(
+                batch.input_ids, batch.positions, batch.out_cache_loc, batch.req_rows,
+                [p + 1 for p in batch.prefix_lens]))
         self.attention.begin(AttentionInputs(
             is_decode=batch.mode is ForwardMode.DECODE,
             req_to_token=batch.req_to_token,
@@ -97,5 +121,4 @@ class ModelRunner:
         hidden = self._hidden(batch.input_ids.to(dev), batch.positions.to(dev))
         if batch.logits_indices.numel() == 0:
             return RunnerOutput(torch.empty((0, self.arch.vocab_size), dtype=torch.float32))
-        logits = self.model.compute_logits(hidden[batch.logits_indices.to(dev)])
-        return RunnerOutput(logits.cpu() if dev.type != "cpu" else logits)
+        return RunnerOutput(self.model.compute_logits(hidden[batch.logits_indices.to(dev)]))

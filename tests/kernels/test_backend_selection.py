@@ -29,6 +29,27 @@ def test_unavailable_backends_say_why(monkeypatch):
     assert create_attention_backend("triton", buffers, buffers).name == "triton"
 
 
+def test_auto_never_picks_flashinfer_where_its_kernels_cannot_run(monkeypatch):
+    """On CUDA, "auto" skips FlashInfer for fp32 KV or an unsupported head size (it would fail
+    at its first plan), and naming it then says why."""
+    import importlib.util
+
+    import kernels
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(kernels.importlib.util, "find_spec",
+                        lambda name, *a: object() if name in ("flashinfer", "triton")
+                        else real(name, *a))
+    cuda = torch.device("cuda")
+    assert resolve_attention_backend("auto", cuda, torch.bfloat16, 64) == "flashinfer"
+    assert resolve_attention_backend("auto", cuda, torch.float32, 64) == "triton"
+    assert resolve_attention_backend("auto", cuda, torch.float16, 96) == "triton"
+    with pytest.raises(ValueError, match="float16/bfloat16"):
+        resolve_attention_backend("flashinfer", cuda, torch.float32, 64)
+    with pytest.raises(ValueError, match="head_dim"):
+        resolve_attention_backend("flashinfer", cuda, torch.bfloat16, 80)
+
+
 def test_engine_config_resolves_device_and_backend(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     cfg = resolve(EngineConfig.from_kwargs(model="x", device="auto"), kv_elements_per_token=64,
