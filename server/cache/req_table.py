@@ -2,7 +2,9 @@
 
 A [max_requests, max_context] int64 tensor. A running request owns one row; column p holds the
 pool slot of its position p for every position whose slot was assigned. Attention kernels read
-rows directly, so the table lives on the model's device.
+rows directly, so the table lives on the model's device. On a GPU a host copy mirrors it: the
+scheduler and the radix cache read slots from the mirror (no device-to-host sync), and writes
+go to both, the device copy through a pinned non-blocking transfer (no sync either).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ class ReqToTokenTable:
 
     def __init__(self, max_requests: int, max_context: int, device: str | torch.device = "cpu"):
         self.table = torch.zeros((max_requests, max_context), dtype=torch.int64, device=device)
+        self.host = (self.table if self.table.device.type == "cpu"
+                     else torch.zeros((max_requests, max_context), dtype=torch.int64))
         self.max_requests = max_requests
         self.max_context = max_context
         self._free_rows = list(range(max_requests - 1, -1, -1))
@@ -37,9 +41,15 @@ class ReqToTokenTable:
         self._free_rows.append(row)
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
-        """Set positions [start, start + len(slots)) of ``row`` to ``slots``."""
-        self.table[row, start:start + slots.numel()] = slots.to(self.table.device)
+        """Set positions [start, start + len(slots)) of ``row`` to ``slots`` (int64, any
+        device)."""
+        end = start + slots.numel()
+        self.host[row, start:end] = slots
+        if self.host is not self.table:
+            src = self.host[row, start:end].pin_memory()
+            self.table[row, start:end].copy_(src, non_blocking=True)
 
     def read(self, row: int, start: int, end: int) -> torch.Tensor:
-        """Slots of positions [start, end) of ``row`` ([end - start] int64)."""
-        return self.table[row, start:end]
+        """Slots of positions [start, end) of ``row`` ([end - start] int64, on the host; a
+        view: clone it to keep it past the next write)."""
+        return self.host[row, start:end]
