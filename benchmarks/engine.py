@@ -2,9 +2,11 @@
 
     python -m benchmarks.engine [--model PATH] [--dtypes auto,float32] [--new-tokens 64]
         [--device auto|cpu|cuda] [--attention-backends auto,reference,triton,flashinfer]
+        [--batches 1,8,32] [--cuda-graph on,off]
 
-Prints one markdown table: prefill tokens/s (512-token prompts), decode tokens/s at batch 1, 8
-and 32 (128-token prompts, decode steps only), and transformers' ``generate`` at batch 1 on the
+Prints one markdown table: prefill tokens/s (512-token prompts), decode tokens/s at each batch
+size (default 1, 8, 32 on CPU and 1, 16, 64, 256 on CUDA; 128-token prompts, decode steps
+only), and transformers' ``generate`` at batch 1 on the
 same prompts (decode rate = (t(N tokens) - t(1 token)) / (N - 1)). Then a per-op profile of one
 batch-32 decode step. Prompts are real Wikipedia passages from ../shared/data/wiki_rag when
 present (else this repository's source text), chat-templated and cut to length in tokens.
@@ -17,6 +19,7 @@ the device's measured copy bandwidth (read + write bytes of a 256 MiB ``copy_``)
 from __future__ import annotations
 
 import argparse
+import gc
 import gzip
 import json
 import os
@@ -42,14 +45,17 @@ def load_texts(n: int) -> tuple[list[str], str]:
     return [src[i * 500:] for i in range(n)], "repository source (../shared/data not found)"
 
 
-def make_prompts(engine: Engine, texts: list[str], length: int) -> list[list[int]]:
-    """Chat-templated 'summarize' prompts cut to exactly ``length`` tokens (the template's end,
-    the assistant header, is kept so the model is asked to answer)."""
+def make_prompts(engine: Engine, texts: list[str], length: int,
+                 n: int | None = None) -> list[list[int]]:
+    """``n`` (default len(texts)) distinct chat-templated 'summarize' prompts cut to exactly
+    ``length`` tokens, cycling through ``texts`` (the template's end, the assistant header, is
+    kept so the model is asked to answer)."""
     out = []
     tail = engine.encode(engine.apply_chat_template([{"role": "user", "content": "x"}]))[-4:]
-    for t in texts:
+    for i in range(len(texts) if n is None else n):
+        t = texts[i % len(texts)]
         ids = engine.encode(engine.apply_chat_template(
-            [{"role": "user", "content": "Summarize this passage:\n" + t * 4}]))
+            [{"role": "user", "content": f"Summarize passage {i}:\n" + t * 4}]))
         out.append(ids[:length - len(tail)] + tail)
     return out
 
@@ -128,7 +134,11 @@ def copy_bandwidth(device: str, mib: int = 256, repeats: int = 10) -> float:
 
 
 def weight_bytes(engine: Engine) -> int:
-    return sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
+    """Bytes one decode step reads: every parameter, except an untied input embedding, of
+    which a step reads only one row per token (the tied one is read whole by the logits)."""
+    model = engine.runner.model
+    skip = set() if model.lm_head is None else {id(p) for p in model.embed_tokens.parameters()}
+    return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skip)
 
 
 def main() -> None:
@@ -141,32 +151,46 @@ def main() -> None:
     ap.add_argument("--device", default="auto", help="auto (cuda if present), cpu or cuda[:N]")
     ap.add_argument("--attention-backends", default="auto",
                     help="comma-separated: auto, reference, triton, flashinfer")
+    ap.add_argument("--batches", default=None,
+                    help="decode batch sizes (default 1,8,32 on CPU; 1,16,64,256 on CUDA)")
+    ap.add_argument("--cuda-graph", default="on",
+                    help="on, off or on,off: decode through captured CUDA graphs (CUDA only)")
     args = ap.parse_args()
     device = args.device if args.device != "auto" else (
         "cuda" if torch.cuda.is_available() else "cpu")
+    cuda = device.startswith("cuda")
+    batches = [int(b) for b in (args.batches or ("1,16,64,256" if cuda else "1,8,32")).split(",")]
+    graphs = args.cuda_graph.split(",") if cuda else ["off"]
     device_name = torch.cuda.get_device_name(device) if device.startswith("cuda") else "CPU"
     print(f"device: {device_name}; copy bandwidth {copy_bandwidth(device):.1f} GB/s")
 
     texts, source = load_texts(32)
     print(f"prompts: {source}; torch threads: {torch.get_num_threads()}")
-    header = ["engine", "attention", "dtype", "prefill tok/s (512)", "decode b=1", "b=1 GB/s",
-              "decode b=8", "decode b=32", "b=32 / b=1"]
+    top = max(batches)
+    header = ["engine", "attention", "dtype", "cuda graph", "prefill tok/s (512)",
+              "b=1 GB/s"] + [f"decode b={b}" for b in batches] + [f"b={top} / b={batches[0]}"]
     rows, engine = [], None
-    for backend, dtype in [(b, d) for b in args.attention_backends.split(",")
-                           for d in args.dtypes.split(",")]:
-        engine = Engine(args.model, dtype=dtype, max_total_tokens=32768, device=device,
-                        attention_backend=backend)
+    for backend, dtype, graph in [(b, d, g) for b in args.attention_backends.split(",")
+                                  for d in args.dtypes.split(",") for g in graphs]:
+        engine = Engine(args.model, dtype=dtype, device=device, attention_backend=backend,
+                        max_total_tokens=max(32768, top * (128 + args.new_tokens + 8)),
+                        max_running_requests=max(128, top), disable_cuda_graph=graph == "off")
         long_prompts = make_prompts(engine, texts[:8], 512)
-        short = make_prompts(engine, texts, 128)
-        assert len(short) == 32 and len(long_prompts) == 8
-        run_engine(engine, short[:2], 4)  # warm-up
+        short = make_prompts(engine, texts, 128, top)
+        # warm-up: a short and a long prefill and decode (kernels compile on first use)
+        run_engine(engine, short[:2] + make_prompts(engine, texts[8:10], 512), 4)
+        engine.flush_cache()  # the short prompts are prefixes of the long ones
         prefill = run_engine(engine, long_prompts, 0)["prefill"]
-        decode = {b: run_engine(engine, short[:b], args.new_tokens)["decode"] for b in (1, 8, 32)}
+        decode = {b: run_engine(engine, short[:b], args.new_tokens)["decode"] for b in batches}
+        gbs = (f"{weight_bytes(engine) * decode[1] / 1e9:.1f}" if 1 in decode else "")
         rows.append(["sgl-adapters Engine", engine.runner.attention.name,
-                     engine.config.model.dtype, f"{prefill:.0f}", f"{decode[1]:.1f}",
-                     f"{weight_bytes(engine) * decode[1] / 1e9:.1f}", f"{decode[8]:.1f}",
-                     f"{decode[32]:.1f}", f"{decode[32] / decode[1]:.1f}x"])
+                     engine.config.model.dtype, graph if cuda else "", f"{prefill:.0f}", gbs]
+                    + [f"{decode[b]:.1f}" for b in batches]
+                    + [f"{decode[top] / decode[batches[0]]:.1f}x"])
         del engine
+        gc.collect()  # free the weights before the next engine loads its own
+        if cuda:
+            torch.cuda.empty_cache()
     if not args.no_hf and device == "cpu":
         from transformers import AutoModelForCausalLM
 
@@ -179,10 +203,12 @@ def main() -> None:
                 os.path.dirname(path) if kw else path, dtype=dtype, **kw).eval()
             eng_prompt = short[0]
             rate = hf_decode_rate(hf, eng_prompt, args.new_tokens)
-            rows.append(["transformers generate", "", str(dtype).replace("torch.", ""), "",
-                         f"{rate:.1f}", "", "", "", ""])
+            rows.append(["transformers generate", "", str(dtype).replace("torch.", ""), "", "",
+                         ""] + [f"{rate:.1f}" if b == 1 else "" for b in batches] + [""])
             del hf
     print_table(header, rows)
+    if cuda:
+        return
     engine = Engine(args.model, max_total_tokens=32768, device=device)
     prof = profile_decode_step(engine, make_prompts(engine, texts, 128))
     print(f"\nOne decode step, batch 32, 128-token prompts, dtype {engine.config.model.dtype}:")

@@ -87,8 +87,11 @@ def main() -> None:
     ap.add_argument("--doc-tokens", type=int, default=512)
     ap.add_argument("--in-flight", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--device", default="cpu", help="cpu, cuda[:N] or auto")
+    ap.add_argument("--attention-backend", default="auto")
     args = ap.parse_args()
-    engines = {name: Engine(args.model, max_total_tokens=65536, disable_jump_forward=off)
+    engines = {name: Engine(args.model, max_total_tokens=65536, disable_jump_forward=off,
+                            device=args.device, attention_backend=args.attention_backend)
                for name, off in (("off", True), ("on", False))}
     prompts = city_prompts(engines["off"], args.doc_tokens)
     results: dict[str, list[dict]] = {"off": [], "on": []}
