@@ -11,7 +11,9 @@ outlines-core was the alternative; it lacks rollback and a jump-forward query.
 User JSON schemas are first checked with ``jsonschema`` (draft 2020-12) so errors are clear.
 Compiled grammars are cached per (kind, spec): a batch with one schema compiles once. Budgets:
 specs over ``MAX_SPEC_CHARS`` and recursive schemas are refused; a compile taking longer than
-``COMPILE_TIMEOUT_S`` is refused (the worker thread is left to finish in the background).
+``COMPILE_TIMEOUT_S`` is refused (the worker thread is left to finish in the background, and its
+result is cached). Compiles run on worker threads (:meth:`GrammarCompiler.compile_async`): the
+scheduler parks a request while its grammar compiles and keeps serving the others.
 
 Errors: :class:`GrammarError` (a ValueError with ``param``), answered as HTTP 400.
 """
@@ -161,31 +163,62 @@ class GrammarCompiler:
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
         self._compiler = xgr.GrammarCompiler(self.info, max_threads=1)
         self._cache: dict[GrammarSpec, Any] = {}
+        self._inflight: dict[GrammarSpec, concurrent.futures.Future] = {}
         self._lock = threading.Lock()
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        # Two workers: one over-budget compile (left to finish) does not block the next.
+        self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="grammar")
         self.compile_seconds = 0.0
         self._json_safe = None
 
-    def compile(self, spec: GrammarSpec):
-        """The compiled grammar for ``spec`` (cached). Raises GrammarError."""
+    def compile_async(self, spec: GrammarSpec) -> concurrent.futures.Future:
+        """A future of the compiled grammar for ``spec``, never blocking: done at once on a
+        cache hit; requests for a spec already compiling share its future. A compile that
+        finishes (even after its requester gave up waiting) lands in the cache. xgrammar
+        releases the GIL while it compiles, so the caller's thread keeps running."""
         with self._lock:
             hit = self._cache.get(spec)
-        if hit is not None:
-            return hit
+            if hit is not None:
+                done: concurrent.futures.Future = concurrent.futures.Future()
+                done.set_result(hit)
+                return done
+            future = self._inflight.get(spec)
+            if future is not None:
+                return future
+            future = self._pool.submit(self._timed_compile, spec)
+            self._inflight[spec] = future
+        future.add_done_callback(lambda f: self._finished(spec, f))
+        return future
+
+    def _timed_compile(self, spec: GrammarSpec):
         start = time.perf_counter()
-        future = self._pool.submit(self._compile, spec)
         try:
-            compiled = future.result(timeout=COMPILE_TIMEOUT_S)
+            return self._compile(spec)
+        finally:
+            self.compile_seconds += time.perf_counter() - start
+
+    def _finished(self, spec: GrammarSpec, future: concurrent.futures.Future) -> None:
+        with self._lock:
+            self._inflight.pop(spec, None)
+            if future.exception() is None:
+                self._cache[spec] = future.result()
+
+    def compile(self, spec: GrammarSpec):
+        """The compiled grammar for ``spec`` (cached), waiting up to ``COMPILE_TIMEOUT_S``.
+        Raises GrammarError."""
+        return self.result(self.compile_async(spec), spec, COMPILE_TIMEOUT_S)
+
+    @staticmethod
+    def result(future: concurrent.futures.Future, spec: GrammarSpec, timeout: float):
+        """The compiled grammar of a :meth:`compile_async` future, waiting up to ``timeout``
+        seconds. Raises GrammarError (compile error, or over the budget)."""
+        try:
+            return future.result(timeout=timeout)
         except concurrent.futures.TimeoutError as exc:
             raise GrammarError(spec.kind, f"compiling took over {COMPILE_TIMEOUT_S:.0f} s") from exc
         except GrammarError:
             raise
         except Exception as exc:  # the library's own message names the problem
             raise GrammarError(spec.kind, f"cannot compile: {exc}") from exc
-        self.compile_seconds += time.perf_counter() - start
-        with self._lock:
-            self._cache[spec] = compiled
-        return compiled
 
     def _compile(self, spec: GrammarSpec):
         c = self._compiler

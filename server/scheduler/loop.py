@@ -20,7 +20,7 @@ import zmq
 
 from server import protocol as P
 from server.config import EngineConfig
-from server.constrained.grammar import GrammarError
+from server.constrained.grammar import COMPILE_TIMEOUT_S, GrammarCompiler, GrammarError
 from server.engine import Engine
 from server.model.sampling import SamplingParams, SamplingParamsError
 from server.scheduler.outputs import TokenDelta
@@ -30,6 +30,7 @@ from server.scheduler.validation import InvalidRequestError
 log = logging.getLogger("server.scheduler")
 
 IDLE_POLL_MS = 50
+COMPILE_POLL_MS = 5  # idle poll while grammars compile
 INVARIANT_CHECK_EVERY = 64  # steps
 
 
@@ -50,6 +51,8 @@ class SchedulerLoop:
         self.recv = recv
         self.send = send
         self.live: dict[str, tuple[Req, _Sent]] = {}
+        # rid -> (message, params, compile future, parked since): waiting for a grammar
+        self.compiling: dict[str, tuple] = {}
         self.invariant_violations = 0
         self.steps = 0
 
@@ -59,6 +62,8 @@ class SchedulerLoop:
         if isinstance(msg, P.GenerateReq):
             self._add(msg)
         elif isinstance(msg, P.AbortReq):
+            if self.compiling.pop(msg.rid, None) is not None:
+                return  # parked, never queued: nothing to free
             delta = sched.abort(msg.rid, msg.message)
             if delta is not None:
                 self._send_outputs([delta])
@@ -72,8 +77,36 @@ class SchedulerLoop:
             log.warning("unexpected message %s dropped", type(msg).__name__)
 
     def _add(self, msg: P.GenerateReq) -> None:
+        """Queue a request; one whose grammar is not compiled yet is parked until it is (the
+        compile runs on a worker thread, so other requests keep decoding meanwhile)."""
         try:
             params = SamplingParams.from_dict(msg.sampling)
+            if params.grammar is not None:
+                future = self.engine.grammars.compile_async(params.grammar)
+                if not future.done():
+                    self.compiling[msg.rid] = (msg, params, future, time.monotonic())
+                    return
+            self._admit(msg, params)
+        except (InvalidRequestError, SamplingParamsError, GrammarError) as exc:
+            self.send.send(P.encode(P.ReqError(msg.rid, str(exc), getattr(exc, "param", None))))
+
+    def _admit_compiled(self) -> None:
+        """Admit parked requests whose grammar compiled; refuse those whose compile failed or
+        ran over the budget (the compile itself is left to finish and be cached)."""
+        now = time.monotonic()
+        for rid, (msg, params, future, since) in list(self.compiling.items()):
+            over = now - since > COMPILE_TIMEOUT_S
+            if not (future.done() or over):
+                continue
+            del self.compiling[rid]
+            try:
+                GrammarCompiler.result(future, params.grammar, timeout=0)
+                self._admit(msg, params)
+            except (InvalidRequestError, SamplingParamsError, GrammarError) as exc:
+                self.send.send(P.encode(P.ReqError(rid, str(exc), getattr(exc, "param", None))))
+
+    def _admit(self, msg: P.GenerateReq, params: SamplingParams) -> None:
+        try:
             req = self.engine.make_request(
                 msg.input_ids, params, LogprobOptions(msg.return_logprob, msg.logprob_start_len,
                                                       msg.top_logprobs_num),
@@ -85,7 +118,7 @@ class SchedulerLoop:
         self.live[msg.rid] = (req, _Sent())
 
     def _drain(self, block: bool) -> None:
-        if block and not self.recv.poll(IDLE_POLL_MS):
+        if block and not self.recv.poll(COMPILE_POLL_MS if self.compiling else IDLE_POLL_MS):
             return
         while True:
             try:
@@ -135,6 +168,8 @@ class SchedulerLoop:
     def run_once(self) -> None:
         sched = self.engine.scheduler
         self._drain(block=not sched.has_work)
+        if self.compiling:
+            self._admit_compiled()
         if not sched.has_work:
             return
         batch = sched.step()

@@ -7,6 +7,7 @@ import zmq
 
 from server import protocol as P
 from server.engine import Engine
+from server.model.sampling import SamplingParams
 from server.scheduler.loop import SchedulerLoop
 
 
@@ -96,3 +97,39 @@ def test_a_failing_batch_ends_only_its_requests(loop, monkeypatch):
     assert last.finish_reason["type"] == "length"
     lp.engine.scheduler.check_invariants()
     assert lp.invariant_violations == 0
+
+
+def test_a_costly_grammar_compiles_without_stalling_other_requests(loop):
+    """A regex that takes ~1 s to compile is parked while it compiles: a plain request sent
+    after it finishes first, no loop iteration blocks for long, and the constrained request
+    then runs (and a second identical one hits the compile cache)."""
+    import time
+
+    lp, to_loop, from_loop = loop
+    slow = {"max_new_tokens": 3, "temperature": 0, "regex": "(.{0,20000})x"}
+    to_loop.send(P.encode(P.GenerateReq("slow", [5, 6], slow)))
+    to_loop.send(P.encode(P.GenerateReq("plain", [7, 8], {"max_new_tokens": 3,
+                                                          "temperature": 0})))
+    order, longest = [], 0.0
+    for _ in range(2000):
+        start = time.perf_counter()
+        lp.run_once()
+        longest = max(longest, time.perf_counter() - start)
+        while from_loop.poll(0):
+            msg = P.decode(from_loop.recv())
+            assert not isinstance(msg, P.ReqError), msg
+            order += [o.rid for o in msg.outputs if o.finish_reason]
+        if len(order) == 2:
+            break
+    assert order == ["plain", "slow"] and longest < 0.5, (order, longest)
+    assert lp.engine.grammars.compile_async(SamplingParams.from_dict(slow).grammar).done()
+
+
+def test_an_aborted_request_waiting_for_its_grammar_is_dropped(loop):
+    lp, to_loop, from_loop = loop
+    to_loop.send(P.encode(P.GenerateReq("g", [5], {"regex": "(.{0,15000})y"})))
+    lp.run_once()
+    assert "g" in lp.compiling
+    to_loop.send(P.encode(P.AbortReq("g")))
+    lp.run_once()
+    assert "g" not in lp.compiling and not lp.engine.scheduler.has_work
