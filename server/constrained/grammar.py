@@ -29,6 +29,7 @@ from typing import Any, Sequence
 
 MAX_SPEC_CHARS = 32 * 1024
 MAX_CHOICES = 256
+MAX_SCHEMA_DEPTH = 64  # dict/list levels
 COMPILE_TIMEOUT_S = 10.0
 
 
@@ -93,6 +94,7 @@ def _load_schema(value: Any) -> dict:
             raise GrammarError("json_schema", f"not valid JSON: {exc}") from exc
     if not isinstance(value, dict):
         raise GrammarError("json_schema", "must be a JSON object")
+    _check_depth_and_refs(value)
     try:
         jsonschema.Draft202012Validator.check_schema(value)
     except jsonschema.SchemaError as exc:
@@ -100,6 +102,25 @@ def _load_schema(value: Any) -> dict:
     if _is_recursive(value):
         raise GrammarError("json_schema", "recursive schemas ($ref cycles) are not supported")
     return value
+
+
+def _check_depth_and_refs(schema: dict) -> None:
+    """Refuse nesting deeper than MAX_SCHEMA_DEPTH (validators and compilers recurse) and any
+    $ref that is not local ("#..."): nothing is fetched, and a dropped remote reference would
+    silently change what the output must match. Iterative, so depth cannot overflow here."""
+    stack: list[tuple[Any, int]] = [(schema, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_SCHEMA_DEPTH:
+            raise GrammarError("json_schema", f"nested deeper than {MAX_SCHEMA_DEPTH} levels")
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if ref is not None and not (isinstance(ref, str) and ref.startswith("#")):
+                raise GrammarError("json_schema", f"$ref {ref!r}: only local references "
+                                   "('#/$defs/...') are supported")
+            stack.extend((v, depth + 1) for v in node.values())
+        elif isinstance(node, list):
+            stack.extend((v, depth + 1) for v in node)
 
 
 def _is_recursive(schema: dict) -> bool:

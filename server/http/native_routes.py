@@ -16,7 +16,16 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from server import protocol as P
-from server.http.responses import SSE_DONE, check_finish, collect, manager_of, merge, sse
+from server.http.responses import (
+    SSE_DONE,
+    check_finish,
+    collect,
+    guarded,
+    manager_of,
+    merge,
+    sse,
+    start_streams,
+)
 from server.http.schemas import AbortRequest, GenerateRequest
 from server.http.tokenizer_manager import ApiError, GenerateInput, TokenizerManager
 from server.model.sampling import SamplingParams, SamplingParamsError
@@ -100,6 +109,8 @@ async def generate(request: Request, body: GenerateRequest):
     streams = [manager.generate(inp) for inp in inputs]
     accs = [_Accumulator(manager, body.return_text_in_logprobs) for _ in inputs]
     if body.stream:
+        streams = await start_streams(request, streams)
+
         async def events():
             async for i, out in merge(streams):
                 accs[i].add(out)
@@ -109,7 +120,7 @@ async def generate(request: Request, body: GenerateRequest):
                 yield sse(data)
             yield SSE_DONE
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return StreamingResponse(guarded(events()), media_type="text/event-stream")
     results = await collect(request, streams)
     for acc, outs in zip(accs, results):
         for out in outs:

@@ -24,10 +24,12 @@ from server.http.responses import (
     SSE_DONE,
     check_finish,
     collect,
+    guarded,
     manager_of,
     merge,
     openai_finish_reason,
     sse,
+    start_streams,
     usage,
 )
 from server.http.schemas import ChatCompletionRequest, CompletionRequest, _OpenAISampling
@@ -82,7 +84,10 @@ def _params(body: _OpenAISampling, max_tokens: int, seed_offset: int = 0,
 
 
 def _default_max_tokens(manager: TokenizerManager, prompt_len: int) -> int:
-    return max(manager.info.context_len - prompt_len, 0)
+    """Without max_tokens: as many as fit both the context and the KV pool (a pool smaller
+    than the context length must not refuse every such request)."""
+    room = min(manager.info.context_len, manager.info.max_total_tokens)
+    return max(room - prompt_len, 0)
 
 
 @router.get("/v1/models")
@@ -148,6 +153,8 @@ async def completions(request: Request, body: CompletionRequest):
     for inp in inputs:  # every choice is checked before any is sent
         manager.validate(inp, {"max_new_tokens": "max_tokens", "input_ids": "prompt"})
     streams = [manager.generate(inp) for inp in inputs]
+    if body.stream:
+        streams = await start_streams(request, streams)
 
     def prompt_of(i: int) -> list[int]:
         return prompts[i // body.n]
@@ -173,7 +180,7 @@ async def completions(request: Request, body: CompletionRequest):
                            "model": model, "choices": [], "usage": _usage(last.values())})
             yield SSE_DONE
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return StreamingResponse(guarded(events()), media_type="text/event-stream")
 
     results = await collect(request, streams)
     choices = []
@@ -214,12 +221,28 @@ def _messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
             content = "".join(texts)
         role = "system" if m.role == "developer" else m.role
         if m.tool_calls and not content:  # an earlier call, shown to the model as it wrote it
-            content = "\n".join(json.dumps({
-                "name": c.get("function", {}).get("name"),
-                "arguments": json.loads(c.get("function", {}).get("arguments") or "{}")})
-                for c in m.tool_calls)
+            content = "\n".join(json.dumps(_earlier_call(c, f"messages[{i}].tool_calls[{j}]"))
+                                for j, c in enumerate(m.tool_calls))
         out.append({"role": role, "content": content or ""})
     return out
+
+
+def _earlier_call(call: Any, where: str) -> dict[str, Any]:
+    """{"name", "arguments"} of an assistant message's earlier tool call. Raises ApiError 400
+    naming the field when it is not {"function": {"name": str, "arguments": JSON text}}."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise ApiError(400, f"{where}.function must be an object with a string 'name'",
+                       param=f"{where}.function")
+    args = fn.get("arguments") or "{}"
+    try:
+        arguments = json.loads(args) if isinstance(args, str) else None
+    except ValueError:
+        arguments = None
+    if not isinstance(arguments, dict):
+        raise ApiError(400, f"{where}.function.arguments must be a JSON object encoded as a "
+                       "string", param=f"{where}.function.arguments")
+    return {"name": fn["name"], "arguments": arguments}
 
 
 def _chat_logprobs(manager: TokenizerManager, outs: list[P.ReqOutput]) -> dict[str, Any]:
@@ -269,6 +292,8 @@ async def chat_completions(request: Request, body: ChatCompletionRequest):
     for inp in inputs:
         manager.validate(inp, {"max_new_tokens": "max_tokens", "input_ids": "messages"})
     streams = [manager.generate(inp) for inp in inputs]
+    if body.stream:
+        streams = await start_streams(request, streams)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     model = request.app.state.model_name
@@ -293,7 +318,7 @@ async def chat_completions(request: Request, body: ChatCompletionRequest):
                 yield chunk([], usage=_usage(last.values()))
             yield SSE_DONE
 
-        return StreamingResponse(tool_events(), media_type="text/event-stream")
+        return StreamingResponse(guarded(tool_events()), media_type="text/event-stream")
 
     if body.stream:
         async def events():
@@ -314,7 +339,7 @@ async def chat_completions(request: Request, body: ChatCompletionRequest):
                 yield chunk([], usage=_usage(last.values()))
             yield SSE_DONE
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return StreamingResponse(guarded(events()), media_type="text/event-stream")
 
     results = await collect(request, streams)
     choices = []

@@ -1,6 +1,10 @@
 """Helpers shared by the routes: OpenAI-style error bodies, SSE framing, and running one or
 more request streams while watching for a client disconnect (which cancels them; cancelling a
-stream aborts its request in the scheduler)."""
+stream aborts its request in the scheduler).
+
+Streaming rule: a route awaits :func:`start_streams` before it returns a StreamingResponse, so
+every failure known before the first token is an ordinary HTTP error; later failures are SSE
+error events (:func:`guarded`), never a silently cut connection."""
 
 from __future__ import annotations
 
@@ -43,10 +47,65 @@ SSE_DONE = "data: [DONE]\n\n"
 
 
 def check_finish(out: P.ReqOutput) -> None:
-    """A request that ended with an internal error becomes a 500 for non-streaming clients."""
+    """A request that ended with an internal error raises ApiError(500): a 500 response, or
+    an SSE error event once a stream has started."""
     if out.finish_reason and out.finish_reason.get("type") == "error":
         raise ApiError(500, out.finish_reason.get("message", "internal error"),
                        type="server_error")
+
+
+def error_body(exc: ApiError) -> dict[str, Any]:
+    return {"error": {"message": exc.message, "type": exc.type, "param": exc.param,
+                      "code": str(exc.status)}}
+
+
+async def start_streams(request: Request, streams: Sequence[AsyncIterator[P.ReqOutput]]
+                        ) -> list[AsyncIterator[P.ReqOutput]]:
+    """Wait for every stream's first output before the response starts, so a request the
+    scheduler refuses (a grammar that does not compile, a budget exceeded) fails with the same
+    HTTP error whether it streams or not. Returns iterators that yield that first output again
+    and then the rest. Raises ApiError (the others are cancelled, aborting their requests) or
+    CancelledError when the client disconnects meanwhile."""
+    firsts = [asyncio.ensure_future(s.__anext__()) for s in streams]
+    try:
+        while True:
+            done, pending = await asyncio.wait(firsts, timeout=DISCONNECT_POLL_S,
+                                               return_when=asyncio.FIRST_EXCEPTION)
+            failed = [t for t in done if t.exception() is not None]
+            if failed:
+                raise failed[0].exception()
+            if not pending:
+                break
+            if await request.is_disconnected():
+                raise asyncio.CancelledError("client disconnected")
+    except BaseException:
+        for t in firsts:
+            t.cancel()
+        await asyncio.gather(*firsts, return_exceptions=True)
+        await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
+        raise
+
+    async def replay(first: P.ReqOutput, rest):
+        try:
+            yield first
+            if first.finish_reason is None:
+                async for out in rest:
+                    yield out
+        finally:
+            await rest.aclose()  # closing aborts the request if it is still running
+
+    return [replay(t.result(), s) for t, s in zip(firsts, streams)]
+
+
+async def guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """SSE framing for failures after the headers: an ApiError (the scheduler died, a batch
+    failed) becomes ``data: {"error": {...}}`` then ``data: [DONE]`` and a clean close."""
+    try:
+        async for event in events:
+            yield event
+    except ApiError as exc:
+        yield sse(error_body(exc))
+        yield SSE_DONE
 
 
 async def collect(request: Request, streams: Sequence[AsyncIterator[P.ReqOutput]]
@@ -104,6 +163,7 @@ async def merge(streams: Sequence[AsyncIterator[P.ReqOutput]]
             elif isinstance(item, Exception):
                 raise item
             else:
+                check_finish(item)
                 yield i, item
     finally:
         for t in tasks:
@@ -118,6 +178,8 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
 
 
 def openai_finish_reason(reason: dict[str, Any] | None) -> str | None:
+    """"stop" (EOS, a stop string or id), "length", or "abort" (aborted by the server or
+    the API); an internal error never gets here (it is an error response or event)."""
     if reason is None:
         return None
-    return "length" if reason["type"] == "length" else "stop"
+    return reason["type"] if reason["type"] in ("length", "abort") else "stop"

@@ -16,7 +16,8 @@ MAX_BATCH = 256
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # NaN and infinities are refused as such ("should be a finite number"), not by a bound
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(_Body):
@@ -89,7 +90,7 @@ class GenerateRequest(_Body):
     input_ids: list[int] | list[list[int]] | None = None
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     return_logprob: bool = False
-    logprob_start_len: int = -1
+    logprob_start_len: int = Field(-1, ge=-1)  # -1: no prompt logprobs
     top_logprobs_num: int = Field(0, ge=0, le=20)
     return_text_in_logprobs: bool = False
     stream: bool = False

@@ -18,6 +18,7 @@ import json
 import uuid
 from typing import Any
 
+from server.constrained.grammar import GrammarError, make_spec
 from server.http.tokenizer_manager import ApiError
 
 
@@ -26,13 +27,22 @@ def parse_tools(tools: list[dict[str, Any]] | None) -> dict[str, dict[str, Any]]
     out: dict[str, dict[str, Any]] = {}
     for i, tool in enumerate(tools or []):
         fn = tool.get("function") if isinstance(tool, dict) else None
-        if tool.get("type") != "function" or not isinstance(fn, dict) or not fn.get("name"):
+        if not isinstance(tool, dict) or tool.get("type") != "function" \
+                or not isinstance(fn, dict):
             raise ApiError(400, f"tools[{i}] must be {{'type': 'function', 'function': "
                            "{'name': ..., 'parameters': ...}}", param="tools")
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ApiError(400, f"tools[{i}].function.name must be a non-empty string",
+                           param=f"tools[{i}].function.name")
         params = fn.get("parameters") or {"type": "object", "properties": {}}
         if not isinstance(params, dict):
             raise ApiError(400, f"tools[{i}].function.parameters must be a JSON schema object",
                            param="tools")
+        try:  # checked for every tool_choice, not only when a call is forced
+            make_spec(json_schema=params)
+        except GrammarError as exc:
+            raise ApiError(400, f"tools[{i}].function.parameters: {exc}",
+                           param=f"tools[{i}].function.parameters") from exc
         if fn["name"] in out:
             raise ApiError(400, f"duplicate tool name {fn['name']!r}", param="tools")
         out[fn["name"]] = {**fn, "parameters": params}
@@ -49,6 +59,9 @@ def forced_names(tools: dict[str, dict], tool_choice: Any) -> list[str] | None:
         return list(tools)
     if isinstance(tool_choice, dict) and isinstance(tool_choice.get("function"), dict):
         name = tool_choice["function"].get("name")
+        if not isinstance(name, str):
+            raise ApiError(400, "tool_choice.function.name must be a string",
+                           param="tool_choice.function.name")
         if name not in tools:
             raise ApiError(400, f"tool_choice names unknown function {name!r}",
                            param="tool_choice")

@@ -208,3 +208,99 @@ def test_duplicate_request_id_rejected(healthy):
 def test_unknown_route_is_openai_style_404(healthy):
     with healthy.client() as c:
         check_error(c.get("/v1/nope"), 404)
+
+
+# ------------------------------------------------------------------ round 2 [3/10]
+def _deep_schema(levels: int) -> dict:
+    schema: dict = {"type": "integer"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+BAD_CHAT_BODIES = [
+    ({"tools": [{"type": "function", "function": {"name": ["f"]}}]}, "tools[0].function.name"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": ["f"]}}},
+     "tool_choice.function.name"),
+    ({"tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"x": {"type": 5}}}}}],
+      "tool_choice": "auto"}, "tools[0].function.parameters"),
+    ({"messages": MSG + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]},
+        {"role": "user", "content": "and?"}]}, "messages[1].tool_calls[0].function.arguments"),
+    ({"messages": MSG + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": "f"}]}, {"role": "user", "content": "?"}]},
+     "messages[1].tool_calls[0].function"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": _deep_schema(150)}}}, "json_schema"),
+    ({"json_schema": {"type": "object", "properties": {
+        "a": {"$ref": "https://example.com/schema.json"}}}}, "json_schema"),
+    ({"temperature": float("nan")}, "temperature"),
+]
+
+
+@pytest.mark.parametrize("extra, param", BAD_CHAT_BODIES,
+                         ids=[p for _, p in BAD_CHAT_BODIES])
+def test_malformed_fields_are_400s_naming_them_and_the_connection_survives(healthy, extra,
+                                                                          param):
+    """Each was a 500 (and broke the client's keep-alive connection) before round 2 [3/10]."""
+    body = {"messages": MSG, "max_tokens": 4, **extra}
+    with healthy.client() as c:
+        resp = c.post(CHAT, content=json.dumps(body, allow_nan=True).encode(),
+                      headers={"content-type": "application/json"})
+        check_error(resp, 400, param)
+        if param == "temperature":
+            assert "finite" in resp.json()["error"]["message"]
+        # the same connection serves the next request
+        ok = c.post(CHAT, json={"messages": MSG, "max_tokens": 2})
+        assert ok.status_code == 200, ok.text
+
+
+def test_negative_logprob_start_len_is_refused(healthy):
+    with healthy.client() as c:
+        resp = c.post(GEN, json={"text": "hi", "logprob_start_len": -5, "return_logprob": True})
+    check_error(resp, 400, "logprob_start_len")
+
+
+@pytest.mark.parametrize("path, body", [
+    (CHAT, {"messages": MSG, "max_tokens": 4, "regex": "(", "stream": True}),
+    (GEN, {"text": "hi", "stream": True, "sampling_params": {"regex": "[z-a]"}}),
+    (CMPL, {"prompt": "hi", "max_tokens": 4, "json_schema": {"type": "object", "properties": {
+        "a": {"type": "string", "pattern": "("}}}, "stream": True}),
+])
+def test_a_stream_the_scheduler_refuses_fails_before_its_headers(healthy, path, body):
+    """The grammar fails to compile in the scheduler: the streaming request gets the same 400
+    JSON error as the non-streaming one, not a 200 stream that is cut."""
+    with healthy.client() as c:
+        streamed = c.post(path, json=body)
+        plain = c.post(path, json={**body, "stream": False})
+    check_error(streamed, 400)
+    check_error(plain, 400)
+    assert streamed.json()["error"]["message"] == plain.json()["error"]["message"]
+
+
+@pytest.fixture(scope="module")
+def small_pool_server(make_tiny_model):
+    from tests.live_server import ServerProcess
+
+    path, _ = make_tiny_model("llama")
+    server = ServerProcess("--model", path, "--dtype", "float32", "--max-total-tokens", "300",
+                           "--context-length", "512")
+    yield server
+    assert server.stop() == 0, "".join(server.log[-40:])
+
+
+def test_default_max_tokens_fits_a_pool_smaller_than_the_context(small_pool_server):
+    """Without max_tokens a request gets what the KV pool can hold for its prompt (it was
+    refused: "needs 512 KV slots; the pool holds 300"); only a prompt that cannot fit is."""
+    with small_pool_server.client() as c:
+        ok = c.post(CMPL, json={"prompt": [5, 6, 7, 8], "ignore_eos": True})
+        # /v1/completions defaults to 16 tokens (OpenAI); chat defaults to "as many as fit"
+        chat = c.post(CHAT, json={"messages": MSG, "ignore_eos": True})
+        too_long = c.post(CHAT, json={"messages": [{"role": "user", "content": "x " * 400}]})
+    assert ok.status_code == 200, ok.text
+    assert chat.status_code == 200, chat.text
+    usage = chat.json()["usage"]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == 300
+    check_error(too_long, 400)
