@@ -33,7 +33,7 @@ async def _disconnect_after(url: str, body: dict, seconds: float, stream: bool) 
 @pytest.fixture
 def server(default_server):
     yield default_server
-    info = wait_idle(default_server, timeout=3.0)
+    info = wait_idle(default_server, timeout=30.0)
     assert info["invariants_ok"] and info["metrics"]["kv_usage"] == 0.0, info
     with default_server.client() as c:
         assert c.get("/health_generate").status_code == 200
@@ -50,7 +50,7 @@ def test_disconnect_aborts_and_frees_kv(server, stream, when):
         aborts = c.get("/server_info").json()["metrics"]["aborts"]
     asyncio.run(_disconnect_after(server.url, body, when, stream))
     start = time.monotonic()
-    info = wait_idle(server, timeout=1.0)
+    info = wait_idle(server, timeout=30.0)
     assert time.monotonic() - start <= 1.0
     assert info["metrics"]["running_requests"] == 0 and info["metrics"]["kv_usage"] == 0.0, info
     assert info["metrics"]["aborts"] == aborts + 1
@@ -65,7 +65,7 @@ def test_disconnect_while_queued(server):
             i + 1] + body["input_ids"]}, 0.5, stream=bool(i % 2)) for i in range(24)])
 
     asyncio.run(main())
-    info = wait_idle(server, timeout=2.0)
+    info = wait_idle(server, timeout=30.0)
     m = info["metrics"]
     assert m["running_requests"] == 0 and m["waiting_requests"] == 0 and m["kv_usage"] == 0.0
 

@@ -26,9 +26,14 @@ def sse_events(response) -> list:
 def test_generate_text_and_input_ids_agree(c):
     sp = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
     a = c.post("/generate", json={"text": "native api test", "sampling_params": sp}).json()
-    ids = c.post("/generate", json={"text": "native api test",
+    ids = c.post("/generate", json={"text": "native api test", "return_logprob": True,
+                                    "logprob_start_len": 0,
                                     "sampling_params": {"max_new_tokens": 0}}).json()
     assert ids["output_ids"] == [] and ids["meta_info"]["finish_reason"]["type"] == "length"
+    prompt = [t for _, t in ids["meta_info"]["input_token_logprobs"]]
+    assert len(prompt) == ids["meta_info"]["prompt_tokens"] > 2
+    b = c.post("/generate", json={"input_ids": prompt, "sampling_params": sp}).json()
+    assert b["output_ids"] == a["output_ids"] and b["text"] == a["text"]
     meta = a["meta_info"]
     assert meta["completion_tokens"] == 8 and meta["finish_reason"] == {"type": "length"}
     assert set(meta) >= {"id", "prompt_tokens", "completion_tokens", "cached_tokens"}

@@ -36,20 +36,25 @@ def client(healthy):
     return openai.OpenAI(base_url=healthy.url + "/v1", api_key="x", max_retries=0)
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_required_always_yields_a_valid_call_on_random_weights(client, seed):
-    r = client.chat.completions.create(model="m", messages=MSG, tools=TOOLS, max_tokens=120,
-                                       tool_choice="required", temperature=1.0, seed=seed)
-    if r.choices[0].finish_reason != "length":  # random weights may run out of tokens
-        _check_call(r.choices[0], {"get_weather", "get_time"})
+def test_required_always_yields_a_valid_call_on_random_weights(client):
+    """Every reply is a call or a call cut by max_tokens; most complete and validate (random
+    weights may fill strings up to their maxLength and run out of tokens)."""
+    complete = 0
+    for seed in range(6):
+        r = client.chat.completions.create(model="m", messages=MSG, tools=TOOLS, max_tokens=120,
+                                           tool_choice="required", temperature=1.0, seed=seed)
+        assert r.choices[0].finish_reason in ("tool_calls", "length")
+        if r.choices[0].finish_reason == "tool_calls":
+            _check_call(r.choices[0], {"get_weather", "get_time"})
+            complete += 1
+    assert complete >= 3
 
 
 def test_named_choice_and_none(client):
-    r = client.chat.completions.create(
+    r = client.chat.completions.create(  # get_time's one field is at most 20 characters
         model="m", messages=MSG, tools=TOOLS, max_tokens=120, temperature=0,
         tool_choice={"type": "function", "function": {"name": "get_time"}})
-    if r.choices[0].finish_reason != "length":
-        _check_call(r.choices[0], {"get_time"})
+    _check_call(r.choices[0], {"get_time"})
     r = client.chat.completions.create(model="m", messages=MSG, tools=TOOLS, max_tokens=8,
                                        tool_choice="none", temperature=0)
     assert r.choices[0].message.tool_calls is None and r.choices[0].message.content is not None
@@ -63,7 +68,13 @@ def test_tool_result_round_trip_in_messages(client):
         {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees, sunny"}]
     r = client.chat.completions.create(model="m", messages=history, tools=TOOLS, max_tokens=8,
                                        temperature=0)
-    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    choice = r.choices[0]
+    if choice.finish_reason == "tool_calls":  # "auto": a call must then be a valid one
+        _check_call(choice, {"get_weather", "get_time"})
+    else:
+        assert choice.finish_reason in ("stop", "length") and isinstance(
+            choice.message.content, str) and choice.message.tool_calls is None
+    assert r.usage.prompt_tokens > 40  # the earlier call and its result were in the prompt
 
 
 @pytest.mark.default_model
