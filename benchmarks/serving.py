@@ -18,15 +18,13 @@ import asyncio
 import gzip
 import json
 import os
-import socket
 import statistics
-import subprocess
-import sys
 import time
 
 import openai
 
 from benchmarks.common import REPO_ROOT, print_table, shared_data_dir
+from sgl_adapters.backends.runtime import Runtime
 
 
 def prompts(n: int, chars: int) -> list[str]:
@@ -85,18 +83,11 @@ async def run(base_url: str, model: str, texts: list[str], concurrency: int,
             "mean itl ms": statistics.fmean(itl) * 1000 if itl else float("nan")}
 
 
-def start_own_server(extra: list[str]) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "server", "--port", str(port),
-                             "--log-level", "warning", *extra], cwd=REPO_ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    for line in proc.stdout:
-        if "server ready:" in line:
-            print(line.strip())
-            return proc, f"http://127.0.0.1:{port}/v1"
-    raise SystemExit(f"the server exited ({proc.wait()}) before it was ready")
+def start_own_server(extra: list[str]) -> Runtime:
+    """Our server on a free port (exits with this process); ``.base_url`` once healthy."""
+    rt = Runtime(None, extra_args=["--log-level", "warning", *extra], cwd=REPO_ROOT)
+    print(next((line.strip() for line in rt.log if "server ready:" in line), rt.base_url))
+    return rt
 
 
 def main() -> None:
@@ -110,10 +101,11 @@ def main() -> None:
     ap.add_argument("--prompt-chars", type=int, default=400)
     ap.add_argument("--server-args", default="", help="extra flags for our server")
     args = ap.parse_args()
-    proc = None
+    own = None
     base_url = args.base_url
     if base_url is None:
-        proc, base_url = start_own_server(args.server_args.split())
+        own = start_own_server(args.server_args.split())
+        base_url = own.base_url + "/v1"
     try:
         rows = []
         for c in (int(x) for x in args.concurrency.split(",")):
@@ -127,9 +119,8 @@ def main() -> None:
         print_table(["clients", "requests", "requests/s", "output tok/s", "TTFT p50 ms",
                      "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "mean ITL ms"], rows)
     finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(60)
+        if own is not None:
+            own.shutdown()
 
 
 if __name__ == "__main__":

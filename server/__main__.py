@@ -72,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
       "ones get 503 with Retry-After")
     a("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests may drain "
       "after SIGTERM")
+    a("--parent-pid", type=int, default=None, help="drain and exit once the process with this "
+      "pid is gone (set by launchers such as sgl.Runtime, so the server dies with them)")
     a("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     a("--seed", type=int, default=0, help="seed of the sampler for unseeded requests")
     return p
@@ -96,7 +98,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, HTTPConfi
         seed=args.seed)
     http = HTTPConfig(host=args.host, port=args.port, api_key=args.api_key,
                       max_queued_requests=args.max_queued_requests,
-                      shutdown_timeout=args.shutdown_timeout, log_level=args.log_level)
+                      shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
+                      parent_pid=args.parent_pid)
     return engine, http
 
 

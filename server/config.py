@@ -263,6 +263,8 @@ class HTTPConfig:
         shutdown_timeout: on SIGTERM, how long in-flight requests may drain.
         startup_timeout: how long to wait for the scheduler process to load the model.
         log_level: "debug", "info", "warning" or "error".
+        parent_pid: when set, the server drains and exits once this process is gone (how a
+            launcher, e.g. ``sgl.Runtime`` or a test, makes its server die with it).
     """
 
     host: str = "127.0.0.1"
@@ -273,6 +275,7 @@ class HTTPConfig:
     shutdown_timeout: float = 30.0
     startup_timeout: float = 300.0
     log_level: str = "info"
+    parent_pid: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

@@ -4,6 +4,7 @@
   PULL sockets over ``ipc://`` paths in a private (0700) temporary directory.
 * If the child dies, in-flight requests get a 503 at once, /health turns 503, and the server
   exits non-zero.
+* With ``--parent-pid`` the server shuts down the same way once that process is gone.
 * On SIGTERM uvicorn stops accepting connections and lets in-flight requests drain for up to
   ``shutdown_timeout`` seconds; then the child is terminated and reaped, and the exit code is 0.
 """
@@ -93,6 +94,11 @@ async def serve(engine_config: EngineConfig, http: HTTPConfig) -> int:
                   f"{ready.max_total_tokens} tokens)", flush=True)
             while proc.is_alive():
                 await asyncio.sleep(0.2)
+                if http.parent_pid is not None and os.getppid() != http.parent_pid:
+                    log.error("the process that started the server (%d) is gone; shutting "
+                              "down", http.parent_pid)
+                    server.should_exit = True
+                    return
             log.error("the scheduler process died (exit code %s); shutting down", proc.exitcode)
             manager.fail_all("the scheduler process died")
             died.set()

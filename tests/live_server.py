@@ -1,6 +1,7 @@
-"""Live servers for the tests: ``python -m server`` subprocesses on free 127.0.0.1 ports.
-
-(Not :class:`sgl_adapters.Runtime`: fault tests need the log, signals and the scheduler pid.)
+"""Live servers for the tests: ``python -m server`` subprocesses on free 127.0.0.1 ports,
+started by :class:`sgl_adapters.backends.runtime.Runtime` (the one launcher: ready when
+``/health`` answers, and the server exits when the test process dies, even by SIGKILL).
+:class:`ServerProcess` adds what fault tests need: the log, signals and the scheduler pid.
 """
 
 from __future__ import annotations
@@ -9,13 +10,14 @@ import os
 import signal
 import socket
 import subprocess
-import sys
-import threading
 import time
 
 import httpx
 
+from sgl_adapters.backends.runtime import Runtime
+
 READY_TIMEOUT_S = 180
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def free_port() -> int:
@@ -25,30 +27,24 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """A server subprocess; ``url`` once ready. Output is kept in ``self.log`` lines."""
+    """A server subprocess (``args``: its CLI flags); ``url`` once ready. Output lines are
+    kept in ``self.log``."""
 
     def __init__(self, *args: str):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log: list[str] = []
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "server", "--port", str(self.port), "--log-level", "warning",
-             *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        ready = threading.Event()
+        self.runtime = Runtime(None, startup_timeout=READY_TIMEOUT_S,
+                               extra_args=["--log-level", "warning", *args], cwd=REPO_ROOT)
+        self.proc = self.runtime.proc
+        self.port = self.runtime.port
+        self.url = self.runtime.base_url
+        deadline = time.monotonic() + 10  # the ready line follows /health by a few ms
+        while not any("server ready:" in line for line in self.log):
+            if time.monotonic() > deadline:
+                raise RuntimeError("no ready line:\n" + "".join(self.log[-40:]))
+            time.sleep(0.02)
 
-        def pump():
-            for line in self.proc.stdout:
-                self.log.append(line)
-                if "server ready:" in line:
-                    ready.set()
-
-        threading.Thread(target=pump, daemon=True).start()
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while not ready.wait(0.2):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError("server did not start:\n" + "".join(self.log[-40:]))
+    @property
+    def log(self) -> list[str]:
+        return list(self.runtime.log)
 
     def client(self, **kw) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=60, **kw)
@@ -61,6 +57,7 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self.runtime.shutdown()
         return self.proc.returncode
 
     def scheduler_pid(self) -> int:

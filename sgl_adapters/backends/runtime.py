@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import atexit
 import collections
+import os
 import socket
 import subprocess
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import httpx
 
@@ -51,20 +52,27 @@ class Runtime(RuntimeEndpoint):
     Args:
         model: HF directory or .gguf file; None = the embedded SmolLM2-135M-Instruct.
         startup_timeout: seconds to wait for ``/health`` (model loading included).
+        extra_args: more CLI flags, as given on a command line.
+        cwd: working directory of the server process.
         **server_args: any ``python -m server`` flag, e.g. ``max_total_tokens=16384``.
+
+    This is the one launcher (tests and benchmarks use it too): ready means ``/health``
+    answers 200, and the server exits when the process that started it is gone.
     Raises RuntimeError when the server exits or is not healthy within ``startup_timeout``
     (the message ends with the server's last output lines).
     """
 
     def __init__(self, model: str | None = None, startup_timeout: float = 300.0,
-                 **server_args: Any):
+                 extra_args: Sequence[str] = (), cwd: str | None = None, **server_args: Any):
         api_key = server_args.get("api_key")
         self.port = server_args.pop("port", None) or _free_port()
-        self.log: collections.deque[str] = collections.deque(maxlen=200)
+        self.log: collections.deque[str] = collections.deque(maxlen=2000)
+        # --parent-pid: the server drains and exits if this process dies (even by SIGKILL)
         cmd = [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(self.port),
-               *server_flags(model, server_args)]
+               "--parent-pid", str(os.getpid()), *server_flags(model, server_args),
+               *extra_args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True)
+                                     text=True, cwd=cwd)
         threading.Thread(target=self._pump, daemon=True).start()
         super().__init__(f"http://127.0.0.1:{self.port}", api_key=api_key)
         atexit.register(self.shutdown)

@@ -106,3 +106,37 @@ def test_full_queue_answers_503_with_retry_after(make_tiny_model):
                                              "sampling_params": {"max_new_tokens": 1}}).is_success
     finally:
         assert s.stop() == 0
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return any(line.startswith("State:") and "Z" in line.split()[1] for line in f)
+    except FileNotFoundError:
+        return True
+
+
+def test_server_and_scheduler_exit_when_their_launcher_is_killed(make_tiny_model):
+    """A process that started a server with sgl.Runtime dies by SIGKILL (as a killed
+    ``make test`` does): the server and its scheduler exit on their own."""
+    import subprocess
+    import sys
+
+    from tests.live_server import REPO_ROOT
+
+    path, _ = make_tiny_model("llama")
+    code = ("import time\nfrom sgl_adapters.backends.runtime import Runtime\n"
+            f"rt = Runtime({path!r}, dtype='float32', max_total_tokens=1024, "
+            "context_length=256)\nprint(rt.proc.pid, flush=True)\ntime.sleep(600)\n")
+    launcher = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                                text=True, cwd=REPO_ROOT)
+    server_pid = int(launcher.stdout.readline())
+    children = subprocess.run(["pgrep", "-P", str(server_pid)], capture_output=True,
+                              text=True).stdout.split()
+    assert children, "no scheduler process"
+    launcher.kill()
+    launcher.wait()
+    deadline = time.monotonic() + 60
+    while not all(_gone(p) for p in [server_pid, *map(int, children)]):
+        assert time.monotonic() < deadline, "the orphaned server is still running"
+        time.sleep(0.2)
