@@ -33,14 +33,16 @@ from server.model.sampling import SamplingParams, SamplingParamsError
 router = APIRouter()
 
 
-def _inputs(manager: TokenizerManager, body: GenerateRequest) -> tuple[list[GenerateInput], bool]:
+async def _inputs(manager: TokenizerManager, body: GenerateRequest
+                  ) -> tuple[list[GenerateInput], bool]:
     if (body.text is None) == (body.input_ids is None):
         raise ApiError(400, "give exactly one of 'text' and 'input_ids'", param="text")
     if body.image_data is not None:
         raise ApiError(400, "image_data: this model is text-only", param="image_data")
     if body.text is not None:
         single = isinstance(body.text, str)
-        prompts = [manager.encode(t, "text") for t in ([body.text] if single else body.text)]
+        prompts = [await manager.encode_async(t, "text")
+                   for t in ([body.text] if single else body.text)]
     else:
         single = not body.input_ids or isinstance(body.input_ids[0], int)
         prompts = [list(body.input_ids)] if single else [list(p) for p in body.input_ids]
@@ -103,7 +105,7 @@ class _Accumulator:
 @router.post("/generate")
 async def generate(request: Request, body: GenerateRequest):
     manager = manager_of(request)
-    inputs, single = _inputs(manager, body)
+    inputs, single = await _inputs(manager, body)
     for inp in inputs:
         manager.validate(inp)
     streams = [manager.generate(inp) for inp in inputs]

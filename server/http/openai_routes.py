@@ -99,15 +99,15 @@ async def list_models(request: Request) -> dict:
 
 
 # ---------------------------------------------------------------- /v1/completions
-def _prompts(manager: TokenizerManager, prompt: Any) -> list[list[int]]:
+async def _prompts(manager: TokenizerManager, prompt: Any) -> list[list[int]]:
     if isinstance(prompt, str):
-        return [manager.encode(prompt)]
+        return [await manager.encode_async(prompt)]
     if not prompt:
         raise ApiError(400, "prompt is empty", param="prompt")
     if all(isinstance(p, int) for p in prompt):
         return [list(prompt)]
     if all(isinstance(p, str) for p in prompt):
-        return [manager.encode(p) for p in prompt]
+        return [await manager.encode_async(p) for p in prompt]
     return [list(p) for p in prompt]
 
 
@@ -136,7 +136,7 @@ async def completions(request: Request, body: CompletionRequest):
         raise ApiError(400, "'tools' is for /v1/chat/completions", param="tools")
     if body.suffix:
         raise ApiError(400, "'suffix' is not supported", param="suffix")
-    prompts = _prompts(manager, body.prompt)
+    prompts = await _prompts(manager, body.prompt)
     want_lp = body.logprobs is not None
     inputs = []
     for ids in prompts:
@@ -272,7 +272,7 @@ async def chat_completions(request: Request, body: ChatCompletionRequest):
                 raise ApiError(400, "a forced tool call cannot be combined with another "
                                "constraint", param="tool_choice")
             constraint = {"json_schema": call_schema(tools, names)}
-    ids = manager.apply_chat_template(
+    ids = await manager.apply_chat_template_async(
         messages, tools=[{"type": "function", "function": t} for t in tools.values()]
         if tools and names != [] and manager.template_renders_tools else None)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \

@@ -304,3 +304,28 @@ def test_default_max_tokens_fits_a_pool_smaller_than_the_context(small_pool_serv
     usage = chat.json()["usage"]
     assert usage["prompt_tokens"] + usage["completion_tokens"] == 300
     check_error(too_long, 400)
+
+
+def test_health_answers_while_a_huge_prompt_is_tokenized(healthy):
+    """A 5 MB prompt is tokenized on the tokenizer threads, not on the event loop: /health
+    keeps answering meanwhile (it took 3.5 s before round 2 [3/10]); the prompt is then
+    refused as longer than the context."""
+    result = {}
+
+    def send():
+        with healthy.client() as c:
+            result["resp"] = c.post(CMPL, json={"prompt": "lorem ipsum dolor " * 290_000,
+                                                "max_tokens": 1})
+
+    t = threading.Thread(target=send)
+    t.start()
+    latencies = []
+    with healthy.client() as c:
+        while t.is_alive():
+            start = time.perf_counter()
+            assert c.get("/health").status_code == 200
+            latencies.append(time.perf_counter() - start)
+            time.sleep(0.02)
+    t.join()
+    check_error(result["resp"], 400, "prompt")
+    assert len(latencies) > 5 and max(latencies) < 1.0, max(latencies)
