@@ -1,9 +1,13 @@
-"""Incremental, UTF-8-safe detokenization and stop strings across token boundaries.
+"""Incremental, UTF-8-safe detokenization and stop strings across token boundaries, done by
+the front ends (the HTTP process's tokenizer manager, and :class:`server.engine.Engine` for
+in-process use), never by the scheduler, which sends token ids only.
 
 Decoding each new token on its own breaks multi-byte characters split over several byte-level
-BPE tokens and loses the leading-space rules of SentencePiece tokenizers. The classic fix (used by
-TGI, vLLM and SGLang) decodes a short window of ids twice — with and without the new ones — and
-emits the difference, holding back while the window ends in an incomplete character (U+FFFD).
+BPE tokens and loses the leading-space rules of SentencePiece tokenizers. With a fast (Rust)
+tokenizer, ``tokenizers.decoders.DecodeStream`` does it in one call per token, prefilled with
+the prompt's last tokens. Otherwise the classic method (TGI, vLLM, SGLang) decodes a short
+window of ids twice — with and without the new ones — and emits the difference, holding back
+while the window ends in an incomplete character (U+FFFD).
 
 Stop strings are searched in the text produced so far; the text is cut before the first match.
 For streaming, :attr:`IncrementalDetokenizer.stream_safe_text` holds back a tail that could still
@@ -19,14 +23,14 @@ _REPLACEMENT = "\ufffd"
 
 class IncrementalDetokenizer:
     """Args:
-        tokenizer: a transformers tokenizer (``decode`` is the only method used).
-        prompt_ids: the prompt; its last few tokens seed the window so the first output token
+        tokenizer: a transformers tokenizer (a fast one's Rust tokenizer is used directly).
+        prompt_ids: the prompt; its last few tokens seed the decoder so the first output token
             decodes with the right leading space.
         stop: stop strings (may span tokens).
         skip_special_tokens: drop special tokens (EOS, role markers) from the text.
     """
 
-    WINDOW = 5  # tokens of context kept before the unread tail
+    WINDOW = 5  # tokens of prompt context
 
     def __init__(self, tokenizer: Any, prompt_ids: Sequence[int], stop: Sequence[str] = (),
                  skip_special_tokens: bool = True):
@@ -37,6 +41,15 @@ class IncrementalDetokenizer:
         self._ids: list[int] = list(prompt_ids[-self.WINDOW:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
+        self._stream = self._rust = None
+        rust = getattr(tokenizer, "_tokenizer", None)
+        if rust is not None:
+            from tokenizers import Tokenizer
+            from tokenizers.decoders import DecodeStream
+
+            if isinstance(rust, Tokenizer):
+                self._rust = rust
+                self._stream = DecodeStream(list(self._ids), skip_special_tokens)
         self.text = ""
         self.matched_stop: str | None = None
 
@@ -51,6 +64,18 @@ class IncrementalDetokenizer:
         """
         if self.matched_stop is not None:
             return ""
+        new = self._next_text(token_id)
+        if not new:
+            return ""
+        before = len(self.text)
+        self.text += new
+        if self.stop:
+            self._check_stop(before)
+        return self.text[before:]
+
+    def _next_text(self, token_id: int) -> str:
+        if self._stream is not None:
+            return self._stream.step(self._rust, token_id) or ""
         self._ids.append(token_id)
         prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
         full_text = self._decode(self._ids[self._prefix_offset:])
@@ -64,13 +89,9 @@ class IncrementalDetokenizer:
             self._ids = self._ids[drop:]
             self._prefix_offset -= drop
             self._read_offset -= drop
-        before = len(self.text)
-        self.text += new
-        if self.stop:
-            self._check_stop(before, len(new))
-        return self.text[before:]
+        return new
 
-    def _check_stop(self, before: int, added: int) -> None:
+    def _check_stop(self, before: int) -> None:
         start = max(0, before - self._max_stop + 1)
         best = None
         for s in self.stop:
@@ -93,3 +114,53 @@ class IncrementalDetokenizer:
                     hold = k
                     break
         return self.text[:len(self.text) - hold]
+
+
+class OutputText:
+    """One request's output as a client sees it, built from the scheduler's token-id deltas.
+
+    Args:
+        tokenizer, prompt_ids: as for :class:`IncrementalDetokenizer`.
+        stop: stop strings; skip_special_tokens: as in SamplingParams.
+
+    :meth:`feed` takes each step's new ids and the scheduler's finish reason. A stop token
+    (EOS, a stop id, a grammar's end) is counted but not shown; a stop string ends the output
+    at the token that completed it: :attr:`num_tokens` counts up to that token, and the caller
+    must abort the request in the scheduler, which does not look at text.
+    """
+
+    def __init__(self, tokenizer: Any, prompt_ids: Sequence[int], stop: Sequence[str] = (),
+                 skip_special_tokens: bool = True):
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, stop,
+                                                  skip_special_tokens)
+        self.num_tokens = 0  # output tokens kept
+        self.finish_reason: dict[str, Any] | None = None
+
+    @property
+    def text(self) -> str:
+        """The text so far (final once :attr:`finish_reason` is set)."""
+        return self.detokenizer.text
+
+    @property
+    def stream_text(self) -> str:
+        """What may be sent to a streaming client now (never taken back later)."""
+        return self.detokenizer.stream_safe_text
+
+    def feed(self, new_ids: Sequence[int], finish_reason: dict[str, Any] | None) -> int:
+        """Consume one delta; returns how many of ``new_ids`` are kept (all, unless a stop
+        string matched; then :attr:`finish_reason` is ``{"type": "stop", "matched": str}``).
+        Nothing is kept once finished."""
+        if self.finish_reason is not None:
+            return 0
+        stop_token = (finish_reason is not None and finish_reason.get("type") == "stop"
+                      and isinstance(finish_reason.get("matched"), int))
+        for k, tok in enumerate(new_ids):
+            if not (stop_token and k == len(new_ids) - 1):
+                self.detokenizer.append(tok)
+            if self.detokenizer.matched_stop is not None:
+                self.num_tokens += k + 1
+                self.finish_reason = {"type": "stop", "matched": self.detokenizer.matched_stop}
+                return k + 1
+        self.num_tokens += len(new_ids)
+        self.finish_reason = finish_reason
+        return len(new_ids)

@@ -25,7 +25,7 @@ from server.cache.radix_tree import RadixCache
 from server.cache.req_table import ReqToTokenTable
 from server.config import EngineConfig, resolve
 from server.constrained.grammar import GrammarCompiler
-from server.detokenizer import IncrementalDetokenizer
+from server.detokenizer import OutputText
 from server.model.loader import load_model
 from server.model.runner import ModelRunner
 from server.model.sampling import Sampler, SamplingParams
@@ -141,8 +141,6 @@ class Engine:
         grammar = (self.grammars.matcher(params.grammar, sorted(self.eos_ids))
                    if params.grammar is not None else None)
         return Req(rid=rid or uuid.uuid4().hex, input_ids=ids, params=params,
-                   detokenizer=IncrementalDetokenizer(self.tokenizer, ids, params.stop,
-                                                      params.skip_special_tokens),
                    eos_ids=self.eos_ids, logprobs=logprobs, namespace=cache_salt,
                    grammar=grammar)
 
@@ -185,11 +183,21 @@ class Engine:
         """
         for req in reqs:  # validate all first, so a bad one queues nothing
             self.scheduler.validate(req)
+        texts = {r.rid: OutputText(self.tokenizer, r.input_ids, r.params.stop,
+                                   r.params.skip_special_tokens) for r in reqs}
         for req in reqs:
             self.scheduler.add_request(req)
-        for _ in self.stream_steps():
-            pass
-        return [self._output(r) for r in reqs]
+        for deltas in self.stream_steps():
+            for d in deltas:
+                text = texts.get(d.rid)
+                if text is None or text.finish_reason is not None:
+                    continue
+                text.feed(d.new_token_ids, d.finish_reason.to_dict() if d.finish_reason
+                          else None)
+                if text.finish_reason is not None and d.finish_reason is None:
+                    # a stop string: the scheduler sees ids only
+                    self.scheduler.stop(d.rid, text.finish_reason["matched"])
+        return [self._output(r, texts[r.rid]) for r in reqs]
 
     def metrics(self) -> dict[str, float]:
         """Scheduler and cache counters (see ``Scheduler.metrics``)."""
@@ -208,22 +216,25 @@ class Engine:
             yield self.scheduler.update(batch, self.runner.forward(batch))
 
     @staticmethod
-    def _output(req: Req) -> dict:
+    def _output(req: Req, text: OutputText) -> dict:
+        """The request's result as the client sees it: cut at a stop string (tokens the
+        scheduler produced past it are dropped)."""
+        n = text.num_tokens
         meta: dict[str, Any] = {
             "id": req.rid,
             "prompt_tokens": len(req.input_ids),
-            "completion_tokens": len(req.output_ids),
+            "completion_tokens": n,
             "cached_tokens": req.cached_tokens,
-            "finish_reason": req.finish_reason.to_dict() if req.finish_reason else None,
+            "finish_reason": text.finish_reason,
             "e2e_latency": req.finish_time - req.arrival_time,  # seconds, this request
         }
         if req.logprobs.return_logprob:
-            meta["output_token_logprobs"] = req.output_token_logprobs
+            meta["output_token_logprobs"] = req.output_token_logprobs[:n]
             meta["input_token_logprobs"] = req.input_token_logprobs
             if req.logprobs.top_logprobs_num:
-                meta["output_top_logprobs"] = req.output_top_logprobs
+                meta["output_top_logprobs"] = req.output_top_logprobs[:n]
                 meta["input_top_logprobs"] = req.input_top_logprobs
-        return {"text": req.text, "output_ids": list(req.output_ids), "meta_info": meta}
+        return {"text": text.text, "output_ids": list(req.output_ids[:n]), "meta_info": meta}
 
 
 def _replace_seed(params: SamplingParams, seed: int) -> SamplingParams:

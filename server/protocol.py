@@ -38,8 +38,12 @@ class GenerateReq(msgspec.Struct, tag=True):
 
 
 class AbortReq(msgspec.Struct, tag=True):
+    """End a request: a client went away (``message``), or the tokenizer manager matched stop
+    string ``stop`` in its text (then it finishes as "stop", not as an abort)."""
+
     rid: str
     message: str = "aborted by client"
+    stop: str | None = None
 
 
 class FlushCacheReq(msgspec.Struct, tag=True):
@@ -66,13 +70,14 @@ class Ready(msgspec.Struct, tag=True):
 
 
 class ReqOutput(msgspec.Struct):
-    """One request's progress in one step. ``text`` is cumulative (stream-safe: never longer
-    than what will finally be returned). Logprob lists hold only this step's new entries as
-    [logprob, token_id] pairs (logprob None for position 0 of the prompt)."""
+    """One request's progress in one step. The scheduler sends token ids; the tokenizer
+    manager fills ``text``, cumulative and stream-safe (never longer than what will finally be
+    returned). Logprob lists hold only this step's new entries as [logprob, token_id] pairs
+    (logprob None for position 0 of the prompt)."""
 
     rid: str
     new_token_ids: list[int]
-    text: str
+    text: str = ""
     finish_reason: dict[str, Any] | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0

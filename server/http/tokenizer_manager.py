@@ -26,6 +26,7 @@ import zmq
 import zmq.asyncio
 
 from server import protocol as P
+from server.detokenizer import OutputText
 from server.model.sampling import SamplingParams, SamplingParamsError
 from server.scheduler.validation import InvalidRequestError, validate_request
 
@@ -207,6 +208,8 @@ class TokenizerManager:
                 top_logprobs_num=inp.top_logprobs_num, namespace=inp.namespace)))
             first = True
             pending: collections.deque = collections.deque()
+            text = OutputText(self.tokenizer, inp.input_ids, inp.params.stop,
+                              inp.params.skip_special_tokens)
             while True:
                 if not pending:
                     pending.append(await q.get())
@@ -218,6 +221,10 @@ class TokenizerManager:
                     raise ApiError(item.status, item.message, param=item.param,
                                    type="invalid_request_error" if item.status < 500
                                    else "server_error")
+                item, stop = _with_text(item, text)
+                if stop is not None:  # the scheduler sees ids only: tell it to stop
+                    finished = True
+                    await self.send_sock.send(P.encode(P.AbortReq(rid, stop=stop)))
                 now = time.perf_counter()
                 self._observe("ttft" if first else "itl", now - start)
                 first, start = False, now
@@ -283,6 +290,21 @@ def coalesce(pending: collections.deque) -> Any:
         if item.finish_reason is not None:
             break
     return item
+
+
+def _with_text(item: P.ReqOutput, text: OutputText) -> tuple[P.ReqOutput, str | None]:
+    """``item`` with its text filled in by ``text`` and, when a stop string matched in it, cut
+    at the token that completed the match (ids, logprobs, counts, finish reason). Returns the
+    matched stop string when the scheduler does not know yet that the request is over."""
+    kept = text.feed(item.new_token_ids, item.finish_reason)
+    done = text.finish_reason
+    stop = done["matched"] if done is not None and item.finish_reason is None else None
+    return msgspec.structs.replace(
+        item, new_token_ids=item.new_token_ids[:kept],
+        text=text.text if done is not None else text.stream_text, finish_reason=done,
+        completion_tokens=text.num_tokens,
+        output_token_logprobs=item.output_token_logprobs[:kept],
+        output_top_logprobs=item.output_top_logprobs[:kept]), stop
 
 
 def _params_dict(params: SamplingParams) -> dict[str, Any]:

@@ -64,7 +64,8 @@ class SchedulerLoop:
         elif isinstance(msg, P.AbortReq):
             if self.compiling.pop(msg.rid, None) is not None:
                 return  # parked, never queued: nothing to free
-            delta = sched.abort(msg.rid, msg.message)
+            delta = (sched.stop(msg.rid, msg.stop) if msg.stop is not None
+                     else sched.abort(msg.rid, msg.message))
             if delta is not None:
                 self._send_outputs([delta])
         elif isinstance(msg, P.FlushCacheReq):
@@ -141,7 +142,7 @@ class SchedulerLoop:
                 continue
             req, sent = entry
             out = P.ReqOutput(
-                rid=d.rid, new_token_ids=d.new_token_ids, text=d.text,
+                rid=d.rid, new_token_ids=d.new_token_ids,
                 finish_reason=d.finish_reason.to_dict() if d.finish_reason else None,
                 prompt_tokens=len(req.input_ids), completion_tokens=len(req.output_ids),
                 cached_tokens=req.cached_tokens,

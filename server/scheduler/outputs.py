@@ -1,5 +1,6 @@
 """Turning the runner's logits into request progress: prompt logprobs, sampling, appending
-tokens, and stop conditions (EOS, stop token ids, stop strings, length, context).
+tokens, and stop conditions on ids (EOS, stop token ids, length, context; stop strings are
+matched on text by the front ends).
 
 Pure bookkeeping on :class:`Req` objects; memory is released by the scheduler when a request
 finishes, never here.
@@ -19,12 +20,11 @@ from server.scheduler.request import FinishReason, Req
 
 @dataclass
 class TokenDelta:
-    """What one step changed for one request: new token ids, the cumulative stream-safe text,
-    and the finish reason once finished."""
+    """What one step changed for one request: new token ids, and the finish reason once
+    finished (text is the front ends' business: :mod:`server.detokenizer`)."""
 
     rid: str
     new_token_ids: list[int]
-    text: str
     finish_reason: FinishReason | None = None
 
 
@@ -83,9 +83,10 @@ def sample_and_append(sampler: Sampler, items: Sequence[tuple[Req, int]], logits
 
 def check_finished(req: Req, tok: int, context_len: int,
                    jump_forward_tokenizer: Any = None) -> FinishReason | None:
-    """Stop conditions after appending ``tok``; advances the grammar and feeds the detokenizer
-    (not the stop token). A grammar that rejects the token ends the request with an error.
-    With ``jump_forward_tokenizer``, sets ``req.draft`` to the tokens the grammar forces next."""
+    """Stop conditions on token ids after appending ``tok`` (stop strings are matched on text
+    by the front ends, which then abort the request); advances the grammar. A grammar that
+    rejects the token ends the request with an error. With ``jump_forward_tokenizer``, sets
+    ``req.draft`` to the tokens the grammar forces next."""
     p = req.params
     if req.grammar is not None:
         if not req.grammar.accept(tok):
@@ -94,10 +95,6 @@ def check_finished(req: Req, tok: int, context_len: int,
             return FinishReason("stop", matched=tok)
     if tok in p.stop_token_ids or (tok in req.eos_ids and not p.ignore_eos):
         return FinishReason("stop", matched=tok)
-    if req.detokenizer is not None:
-        req.detokenizer.append(tok)
-        if req.detokenizer.matched_stop is not None:
-            return FinishReason("stop", matched=req.detokenizer.matched_stop)
     if len(req.output_ids) >= p.max_new_tokens or req.fill_len >= context_len:
         return FinishReason("length")
     if req.grammar is not None and jump_forward_tokenizer is not None:

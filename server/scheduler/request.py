@@ -16,7 +16,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from server.detokenizer import IncrementalDetokenizer
 from server.model.sampling import SamplingParams, SamplingState, make_generator
 
 
@@ -59,7 +58,6 @@ class Req:
     rid: str
     input_ids: list[int]
     params: SamplingParams
-    detokenizer: IncrementalDetokenizer | None
     eos_ids: frozenset[int] = frozenset()
     logprobs: LogprobOptions = field(default_factory=LogprobOptions)
     output_ids: list[int] = field(default_factory=list)
@@ -121,6 +119,3 @@ class Req:
         return tuple(sorted(set(self.params.stop_token_ids)
                             | (set() if self.params.ignore_eos else set(self.eos_ids))))
 
-    @property
-    def text(self) -> str:
-        return self.detokenizer.text if self.detokenizer is not None else ""

@@ -118,6 +118,16 @@ class Scheduler:
         self.stats.aborts += 1
         return self._finish(req, FinishReason("error" if error else "abort", message=message))
 
+    def stop(self, rid: str, matched: str) -> TokenDelta | None:
+        """End request ``rid`` because a front end matched stop string ``matched`` in its text
+        (finish reason "stop", not counted as an abort); None if unknown or done."""
+        req = self.reqs.get(rid)
+        if req is None or req.finished:
+            return None
+        if req.status is ReqStatus.WAITING:
+            self.waiting.remove(req)
+        return self._finish(req, FinishReason("stop", matched=matched))
+
     def fail_batch(self, batch: ForwardBatch, message: str) -> list[TokenDelta]:
         """End every request of an in-flight ``batch`` whose forward or update failed, with
         finish reason "error"; the scheduler is ready for the next step."""
@@ -364,7 +374,7 @@ class Scheduler:
                     self.running.remove(req)
                     req.status = ReqStatus.PREFILLING
                     self.prefilling.append(req)
-                deltas.append(TokenDelta(req.rid, [tok], self._stream_text(req)))
+                deltas.append(TokenDelta(req.rid, [tok]))
         return deltas
 
     def _verify_draft(self, req: Req, rows: list[int], logits: torch.Tensor) -> TokenDelta:
@@ -390,11 +400,7 @@ class Scheduler:
             self.prefilling.remove(req)
             req.status = ReqStatus.RUNNING
             self.running.append(req)
-        return TokenDelta(req.rid, produced, self._stream_text(req))
-
-    @staticmethod
-    def _stream_text(req: Req) -> str:
-        return req.detokenizer.stream_safe_text if req.detokenizer is not None else ""
+        return TokenDelta(req.rid, produced)
 
     def _finish(self, req: Req, reason: FinishReason,
                 new_ids: list[int] | None = None) -> TokenDelta:
@@ -404,7 +410,7 @@ class Scheduler:
         req.finish_time = time.monotonic()
         self.reqs.pop(req.rid, None)
         self.stats.finished_requests += 1
-        return TokenDelta(req.rid, new_ids or [], req.text, reason)
+        return TokenDelta(req.rid, new_ids or [], reason)
 
     def _release(self, req: Req) -> None:
         """Leave the running sets and release memory (computed KV goes into the cache)."""

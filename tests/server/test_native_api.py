@@ -106,3 +106,30 @@ def test_metrics_prometheus(c):
                  "sgl_e2e_request_latency_seconds_count",
                  "sgl_invariant_violations_total 0.0"):
         assert name in text, name
+
+
+def test_stop_string_is_matched_by_the_front_end_and_ends_the_request(c):
+    """The scheduler sends ids only; the tokenizer manager finds the stop string, cuts ids,
+    logprobs and counts at the token that completed it, and stops the request (no abort is
+    counted, no KV is held afterwards)."""
+    sp = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+    full = c.post("/generate", json={"text": "stop test", "sampling_params": sp}).json()
+    stop = full["text"][4:7]
+    assert len(stop) == 3 and stop not in full["text"][:4]
+    aborts = c.get("/server_info").json()["metrics"]["aborts"]
+    r = c.post("/generate", json={"text": "stop test", "return_logprob": True,
+                                  "sampling_params": {**sp, "stop": [stop]}}).json()
+    meta = r["meta_info"]
+    assert r["text"] == full["text"][:full["text"].index(stop)]
+    assert meta["finish_reason"] == {"type": "stop", "matched": stop}
+    n = meta["completion_tokens"]
+    assert len(r["output_ids"]) == len(meta["output_token_logprobs"]) == n < 12
+    assert r["output_ids"] == full["output_ids"][:n]
+    import time
+
+    for _ in range(100):  # the stop reaches the scheduler just after the reply
+        info = c.get("/server_info").json()
+        if info["metrics"]["running_requests"] == 0:
+            break
+        time.sleep(0.05)
+    assert info["metrics"]["aborts"] == aborts and info["metrics"]["kv_usage"] == 0.0

@@ -48,3 +48,23 @@ def test_stream_safe_text_holds_back_possible_stop_prefix(default_tokenizer):
     for t in default_tokenizer(" there")["input_ids"]:
         d.append(t)
     assert d.stream_safe_text == d.text == "abc STOP there"
+
+
+def test_output_text_cuts_at_a_stop_string_and_hides_stop_tokens(default_tokenizer):
+    """The front ends' view of a request: a stop token is counted but not shown; a stop
+    string ends the output at the token that completed it, however many came after."""
+    from server.detokenizer import OutputText
+
+    tok = default_tokenizer
+    ids = tok("The answer is 42. Done here")["input_ids"]
+    text = OutputText(tok, tok("Q:")["input_ids"], stop=["Done"])
+    half = len(ids) // 2
+    assert text.feed(ids[:half], None) == half and text.finish_reason is None
+    kept = text.feed(ids[half:] + [7, 8, 9], None)  # the scheduler ran past the stop
+    assert text.finish_reason == {"type": "stop", "matched": "Done"}
+    assert text.text == "The answer is 42. " and text.num_tokens == half + kept
+    assert tok.decode(ids[:text.num_tokens]).endswith("Done")
+    assert text.feed([5], None) == 0  # finished: nothing more is taken
+    eos = OutputText(tok, [1], stop=[])
+    assert eos.feed(ids[:3] + [tok.eos_token_id], {"type": "stop", "matched": tok.eos_token_id}) == 4
+    assert eos.text == tok.decode(ids[:3]) and eos.num_tokens == 4

@@ -73,7 +73,7 @@ def make(capacity=256, rows=8, context=256, disable_cache=False, **cfg):
 
 def req(rid, prompt, max_new, **kw):
     params = SamplingParams(max_new_tokens=max_new, temperature=0, **kw)
-    return Req(rid=rid, input_ids=list(prompt), params=params, detokenizer=None,
+    return Req(rid=rid, input_ids=list(prompt), params=params,
                eos_ids=frozenset({EOS}))
 
 
