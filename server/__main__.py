@@ -11,8 +11,9 @@ import asyncio
 import logging
 import sys
 
-from kernels import ATTENTION_BACKENDS
 from server.config import (
+    ATTENTION_BACKENDS,
+    QUANTIZATION_MODES,
     SCHEDULE_POLICIES,
     CacheConfig,
     ConfigError,
@@ -21,7 +22,6 @@ from server.config import (
     ModelConfig,
     SchedulerConfig,
 )
-from server.model.quantization import QUANTIZATION_MODES
 
 
 def build_parser() -> argparse.ArgumentParser:

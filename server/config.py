@@ -15,14 +15,13 @@ import os
 import re
 from dataclasses import dataclass, field
 
-import torch
-
-from kernels import ATTENTION_BACKENDS, resolve_attention_backend
-from server.model.quantization import QUANTIZATION_MODES
-
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
-           "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16,
-           "bf16": torch.bfloat16}
+# No torch (or kernels, or the model stack) at import: the HTTP process and ``python -m server
+# --help`` read this module. The names below are checked against kernels.ATTENTION_BACKENDS
+# and server.model.quantization in tests/unit/test_config.py.
+ATTENTION_BACKENDS = ("auto", "reference", "triton", "flashinfer")
+QUANTIZATION_MODES = ("auto", "none", "int8", "int4")
+_DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
+           "half": "float16", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 SCHEDULE_POLICIES = ("lpm", "dfs_weight", "fcfs", "random")
 
 
@@ -85,11 +84,13 @@ class ModelConfig:
             raise ConfigError(f"context_length must be >= 2, got {self.context_length}")
 
     @property
-    def torch_dtype(self) -> torch.dtype:
+    def torch_dtype(self) -> "torch.dtype":  # noqa: F821 - torch is imported lazily
         """The compute dtype; only valid after :func:`resolve` (dtype != "auto")."""
         if self.dtype == "auto":
             raise ConfigError("dtype 'auto' must be resolved first (server.config.resolve)")
-        return _DTYPES[self.dtype]
+        import torch
+
+        return getattr(torch, _DTYPES[self.dtype])
 
 
 @dataclass(frozen=True)
@@ -191,6 +192,8 @@ class EngineConfig:
 def available_memory_bytes(device: str) -> int:
     """Free memory usable for the KV pool: free device memory on CUDA, available RAM on CPU."""
     if device.startswith("cuda"):
+        import torch
+
         free, _total = torch.cuda.mem_get_info(torch.device(device))
         return int(free)
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -213,6 +216,10 @@ def resolve(config: EngineConfig, *, kv_elements_per_token: int, model_context_l
     Raises:
         ConfigError: the pool would hold fewer than 16 tokens, or context_length exceeds the model's.
     """
+    import torch
+
+    from kernels import resolve_attention_backend
+
     model, cache = config.model, config.cache
     if model.device == "auto":
         model = dataclasses.replace(model, device="cuda" if torch.cuda.is_available() else "cpu")

@@ -28,8 +28,8 @@ from server import protocol as P
 from server.config import EngineConfig, HTTPConfig
 from server.http.app import create_app
 from server.http.tokenizer_manager import TokenizerManager
-from server.model.loader import load_model
-from server.scheduler.loop import run_scheduler_process
+from server.model.files import load_tokenizer
+from server.scheduler.entry import run_scheduler
 
 log = logging.getLogger("server.launch")
 
@@ -61,18 +61,18 @@ async def serve(engine_config: EngineConfig, http: HTTPConfig) -> int:
     send.bind(to_sched)
     recv.bind(from_sched)
     proc = mp.get_context("spawn").Process(
-        target=run_scheduler_process, args=(engine_config, to_sched, from_sched, http.log_level),
+        target=run_scheduler, args=(engine_config, to_sched, from_sched, http.log_level),
         name="sgl-scheduler", daemon=True)
     proc.start()
     exit_code = 0
     try:
-        loaded, ready = await asyncio.gather(
-            asyncio.to_thread(load_model, engine_config.model.path),
+        (tokenizer, model_path), ready = await asyncio.gather(
+            asyncio.to_thread(load_tokenizer, engine_config.model.path),
             _wait_ready(recv, proc, http.startup_timeout))
-        manager = TokenizerManager(loaded.tokenizer, ready, send, recv,
+        manager = TokenizerManager(tokenizer, ready, send, recv,
                                    http.max_queued_requests)
         app = create_app(manager, model_name=engine_config.model.served_model_name
-                         or ready.model_name, model_path=loaded.path, api_key=http.api_key,
+                         or ready.model_name, model_path=model_path, api_key=http.api_key,
                          max_body_bytes=http.max_body_bytes,
                          server_args={"schedule_policy": engine_config.scheduler.schedule_policy,
                                       "disable_radix_cache":

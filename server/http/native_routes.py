@@ -28,7 +28,7 @@ from server.http.responses import (
 )
 from server.http.schemas import AbortRequest, GenerateRequest
 from server.http.tokenizer_manager import ApiError, GenerateInput, TokenizerManager
-from server.model.sampling import SamplingParams, SamplingParamsError
+from server.sampling_params import SamplingParams, SamplingParamsError
 
 router = APIRouter()
 

@@ -35,7 +35,7 @@ from server.http.responses import (
 from server.http.schemas import ChatCompletionRequest, CompletionRequest, _OpenAISampling
 from server.http.tokenizer_manager import ApiError, GenerateInput, TokenizerManager
 from server.http.tools import as_tool_call, call_schema, forced_names, parse_tools, tools_system_prompt
-from server.model.sampling import SamplingParams, SamplingParamsError
+from server.sampling_params import SamplingParams, SamplingParamsError
 
 router = APIRouter()
 

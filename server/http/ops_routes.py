@@ -18,7 +18,7 @@ from prometheus_client import (
 
 from server.http.responses import error_response, manager_of
 from server.http.tokenizer_manager import GenerateInput
-from server.model.sampling import SamplingParams
+from server.sampling_params import SamplingParams
 
 router = APIRouter()
 

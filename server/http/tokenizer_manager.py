@@ -27,7 +27,7 @@ import zmq.asyncio
 
 from server import protocol as P
 from server.detokenizer import OutputText
-from server.model.sampling import SamplingParams, SamplingParamsError
+from server.sampling_params import SamplingParams, SamplingParamsError
 from server.scheduler.validation import InvalidRequestError, validate_request
 
 log = logging.getLogger("server.tokenizer_manager")

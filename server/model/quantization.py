@@ -34,7 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-QUANTIZATION_MODES = ("auto", "none", "int8", "int4")
+from server.config import QUANTIZATION_MODES  # noqa: F401 - re-exported: the CLI's one list
+
 INT4_GROUP = 32  # weights per (scale, zero) pair; every GGUF 4-bit type uses 32-weight groups
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # kept exactly as int4
 FLOAT_TYPES = ("F32", "F16", "BF16", "F64")  # dense in the file: dense in memory under "auto"

@@ -22,7 +22,7 @@ from server import protocol as P
 from server.config import EngineConfig
 from server.constrained.grammar import COMPILE_TIMEOUT_S, GrammarCompiler, GrammarError
 from server.engine import Engine
-from server.model.sampling import SamplingParams, SamplingParamsError
+from server.sampling_params import SamplingParams, SamplingParamsError
 from server.scheduler.outputs import TokenDelta
 from server.scheduler.request import LogprobOptions, Req
 from server.scheduler.validation import InvalidRequestError

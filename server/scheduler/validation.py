@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from server.model.sampling import SamplingParams
+from server.sampling_params import SamplingParams
 
 
 class InvalidRequestError(ValueError):

@@ -140,3 +140,14 @@ def test_server_and_scheduler_exit_when_their_launcher_is_killed(make_tiny_model
     while not all(_gone(p) for p in [server_pid, *map(int, children)]):
         assert time.monotonic() < deadline, "the orphaned server is still running"
         time.sleep(0.2)
+
+
+def test_the_http_process_holds_no_torch(tiny_server):
+    """The process boundary is real: the HTTP process (tokenizer, routes) never loads torch;
+    the scheduler process does."""
+    with open(f"/proc/{tiny_server.proc.pid}/maps") as f:
+        http_maps = f.read()
+    with open(f"/proc/{tiny_server.scheduler_pid()}/maps") as f:
+        scheduler_maps = f.read()
+    assert "libtorch" in scheduler_maps
+    assert "libtorch" not in http_maps

