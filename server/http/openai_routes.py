@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any
+from typing import Any, Callable, Sequence
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
@@ -160,27 +160,19 @@ async def completions(request: Request, body: CompletionRequest):
         return prompts[i // body.n]
 
     if body.stream:
-        async def events():
-            sent = [""] * len(streams)
-            last: dict[int, P.ReqOutput] = {}
-            for i in range(len(streams) if body.echo else 0):
-                yield sse({"id": rid, "object": "text_completion", "created": created,
-                           "model": model, "choices": [{"index": i, "text": manager.decode(
-                               prompt_of(i)), "logprobs": None, "finish_reason": None}]})
-            async for i, out in merge(streams):
-                delta, sent[i] = out.text[len(sent[i]):], out.text
-                last[i] = out
-                if delta or out.finish_reason:
-                    yield sse({"id": rid, "object": "text_completion", "created": created,
-                               "model": model, "choices": [{
-                                   "index": i, "text": delta, "logprobs": None,
-                                   "finish_reason": openai_finish_reason(out.finish_reason)}]})
-            if body.stream_options and body.stream_options.include_usage:
-                yield sse({"id": rid, "object": "text_completion", "created": created,
-                           "model": model, "choices": [], "usage": _usage(last.values())})
-            yield SSE_DONE
+        sent = [""] * len(streams)
 
-        return StreamingResponse(guarded(events()), media_type="text/event-stream")
+        def on_output(i: int, out: P.ReqOutput) -> list[dict[str, Any]]:
+            delta, sent[i] = out.text[len(sent[i]):], out.text
+            if not (delta or out.finish_reason):
+                return []
+            return [{"index": i, "text": delta, "logprobs": None,
+                     "finish_reason": openai_finish_reason(out.finish_reason)}]
+
+        echo = [[{"index": i, "text": manager.decode(prompt_of(i)), "logprobs": None,
+                  "finish_reason": None}] for i in range(len(streams) if body.echo else 0)]
+        return _stream_response(streams, _chunker(rid, "text_completion", created, model),
+                                on_output, body, head=echo)
 
     results = await collect(request, streams)
     choices = []
@@ -197,6 +189,42 @@ async def completions(request: Request, body: CompletionRequest):
                         if want_lp else None})
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
             "choices": choices, "usage": _usage([r[-1] for r in results])}
+
+
+def _chunker(rid: str, obj: str, created: int, model: str) -> Callable[..., str]:
+    """SSE framing of one OpenAI stream chunk: chunk(choices, **extra) -> "data: {...}"."""
+    def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
+        return sse({"id": rid, "object": obj, "created": created, "model": model,
+                    "choices": choices, **extra})
+    return chunk
+
+
+def _stream_response(streams, chunk: Callable[..., str],
+                     on_output: Callable[[int, P.ReqOutput], list[dict[str, Any]]],
+                     body: _OpenAISampling, head: Sequence[list[dict[str, Any]]] = (),
+                     tail: Callable[[dict[int, P.ReqOutput]], list[list[dict[str, Any]]]]
+                     | None = None) -> StreamingResponse:
+    """The one OpenAI streaming loop (completions and chat): ``head`` chunks, then a chunk of
+    ``on_output(index, output)``'s choices per output of the merged streams (none if empty),
+    then ``tail(last outputs)``'s chunks, the usage chunk once when
+    ``stream_options.include_usage``, and ``[DONE]``. Failures after the headers become an
+    SSE error event (:func:`server.http.responses.guarded`)."""
+    async def events():
+        for choices in head:
+            yield chunk(choices)
+        last: dict[int, P.ReqOutput] = {}
+        async for i, out in merge(streams):
+            last[i] = out
+            choices = on_output(i, out)
+            if choices:
+                yield chunk(choices)
+        for choices in (tail(last) if tail is not None else ()):
+            yield chunk(choices)
+        if body.stream_options and body.stream_options.include_usage:
+            yield chunk([], usage=_usage(last.values()))
+        yield SSE_DONE
+
+    return StreamingResponse(guarded(events()), media_type="text/event-stream")
 
 
 def _usage(finals) -> dict[str, Any]:
@@ -298,48 +326,35 @@ async def chat_completions(request: Request, body: ChatCompletionRequest):
     created = int(time.time())
     model = request.app.state.model_name
 
-    def chunk(choices, **extra):
-        return sse({"id": rid, "object": "chat.completion.chunk", "created": created,
-                    "model": model, "choices": choices, **extra})
-
+    chunk = _chunker(rid, "chat.completion.chunk", created, model)
     if body.stream and use_tools:  # a tool call is sent whole, once it is known to be one
-        async def tool_events():
-            last: dict[int, P.ReqOutput] = {}
-            async for i, out in merge(streams):
-                last[i] = out
+        def tool_tail(last: dict[int, P.ReqOutput]) -> list[list[dict[str, Any]]]:
+            out_chunks = []
             for i, out in sorted(last.items()):
                 msg, finish = message(out.text, openai_finish_reason(out.finish_reason))
                 delta = {"role": "assistant", "content": msg["content"]}
                 if "tool_calls" in msg:
                     delta["tool_calls"] = [{"index": 0, **msg["tool_calls"][0]}]
-                yield chunk([{"index": i, "delta": delta, "logprobs": None,
-                              "finish_reason": finish}])
-            if body.stream_options and body.stream_options.include_usage:
-                yield chunk([], usage=_usage(last.values()))
-            yield SSE_DONE
+                out_chunks.append([{"index": i, "delta": delta, "logprobs": None,
+                                    "finish_reason": finish}])
+            return out_chunks
 
-        return StreamingResponse(guarded(tool_events()), media_type="text/event-stream")
+        return _stream_response(streams, chunk, lambda i, out: [], body, tail=tool_tail)
 
     if body.stream:
-        async def events():
-            sent = [""] * len(streams)
-            last: dict[int, P.ReqOutput] = {}
-            for i in range(len(streams)):
-                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                              "logprobs": None, "finish_reason": None}])
-            async for i, out in merge(streams):
-                delta, sent[i] = out.text[len(sent[i]):], out.text
-                last[i] = out
-                lp = _chat_logprobs(manager, [out]) if body.logprobs else None
-                if delta or out.finish_reason or lp:
-                    yield chunk([{"index": i, "delta": {"content": delta} if delta else {},
-                                  "logprobs": lp,
-                                  "finish_reason": openai_finish_reason(out.finish_reason)}])
-            if body.stream_options and body.stream_options.include_usage:
-                yield chunk([], usage=_usage(last.values()))
-            yield SSE_DONE
+        sent = [""] * len(streams)
 
-        return StreamingResponse(guarded(events()), media_type="text/event-stream")
+        def on_output(i: int, out: P.ReqOutput) -> list[dict[str, Any]]:
+            delta, sent[i] = out.text[len(sent[i]):], out.text
+            lp = _chat_logprobs(manager, [out]) if body.logprobs else None
+            if not (delta or out.finish_reason or lp):
+                return []
+            return [{"index": i, "delta": {"content": delta} if delta else {}, "logprobs": lp,
+                     "finish_reason": openai_finish_reason(out.finish_reason)}]
+
+        roles = [[{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                   "finish_reason": None}] for i in range(len(streams))]
+        return _stream_response(streams, chunk, on_output, body, head=roles)
 
     results = await collect(request, streams)
     choices = []

@@ -184,13 +184,15 @@ class TokenizerManager:
                            f"prompt length {len(inp.input_ids)}", param="logprob_start_len")
 
     async def generate(self, inp: GenerateInput) -> AsyncIterator[P.ReqOutput]:
-        """Send one request and yield its outputs until it finishes. Raises ApiError.
+        """Send one request and yield its outputs (text filled in, cut at a stop string) until
+        it finishes. ``inp`` must have passed :meth:`validate` (the routes' admission step,
+        which names the API's own fields in errors): it is not checked again here. Raises
+        ApiError.
 
         Cancelling the consumer (a client disconnect) aborts the request in the scheduler.
         """
         if not self.scheduler_alive:
             raise ApiError(503, "the scheduler process is not running", type="server_error")
-        self.validate(inp)
         if len(self.queues) >= self.max_queued_requests:
             raise ApiError(503, f"too many requests in flight ({len(self.queues)})",
                            type="server_error", headers={"Retry-After": "1"})
