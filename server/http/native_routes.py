@@ -16,6 +16,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from server import protocol as P
+from server.http.admission import admit_generate
 from server.http.responses import (
     SSE_DONE,
     check_finish,
@@ -27,47 +28,9 @@ from server.http.responses import (
     start_streams,
 )
 from server.http.schemas import AbortRequest, GenerateRequest
-from server.http.tokenizer_manager import ApiError, GenerateInput, TokenizerManager
-from server.sampling_params import SamplingParams, SamplingParamsError
+from server.http.tokenizer_manager import ApiError, TokenizerManager
 
 router = APIRouter()
-
-
-async def _inputs(manager: TokenizerManager, body: GenerateRequest
-                  ) -> tuple[list[GenerateInput], bool]:
-    if (body.text is None) == (body.input_ids is None):
-        raise ApiError(400, "give exactly one of 'text' and 'input_ids'", param="text")
-    if body.image_data is not None:
-        raise ApiError(400, "image_data: this model is text-only", param="image_data")
-    if body.text is not None:
-        single = isinstance(body.text, str)
-        prompts = [await manager.encode_async(t, "text")
-                   for t in ([body.text] if single else body.text)]
-    else:
-        single = not body.input_ids or isinstance(body.input_ids[0], int)
-        prompts = [list(body.input_ids)] if single else [list(p) for p in body.input_ids]
-    if not prompts:
-        raise ApiError(400, "the batch is empty", param="text")
-    sp = body.sampling_params
-    sps = sp if isinstance(sp, list) else [sp or {}] * len(prompts)
-    rids = body.rid if isinstance(body.rid, list) else [body.rid] * len(prompts)
-    if len(sps) != len(prompts) or len(rids) != len(prompts):
-        raise ApiError(400, "sampling_params and rid lists must match the batch size",
-                       param="sampling_params")
-    inputs = []
-    for k, (ids, d, rid) in enumerate(zip(prompts, sps, rids)):
-        try:
-            params = SamplingParams.from_dict(d)
-        except SamplingParamsError as exc:
-            raise ApiError(400, f"sampling_params.{exc}", param=exc.param) from exc
-        if params.n != 1:
-            raise ApiError(400, "sampling_params.n > 1 is not supported on /generate; send the "
-                           "prompt several times", param="n")
-        if rid is not None and len(prompts) > 1 and not isinstance(body.rid, list):
-            rid = f"{rid}-{k}"
-        inputs.append(GenerateInput(ids, params, body.return_logprob, body.logprob_start_len,
-                                    body.top_logprobs_num, rid, body.cache_salt))
-    return inputs, single
 
 
 class _Accumulator:
@@ -105,9 +68,7 @@ class _Accumulator:
 @router.post("/generate")
 async def generate(request: Request, body: GenerateRequest):
     manager = manager_of(request)
-    inputs, single = await _inputs(manager, body)
-    for inp in inputs:
-        manager.validate(inp)
+    inputs, single = await admit_generate(manager, body)
     streams = [manager.generate(inp) for inp in inputs]
     accs = [_Accumulator(manager, body.return_text_in_logprobs) for _ in inputs]
     if body.stream:

@@ -11,7 +11,6 @@ and the ``regex`` / ``json_schema`` extensions are enforced by grammar-constrain
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from typing import Any, Callable, Sequence
@@ -20,6 +19,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from server import protocol as P
+from server.http.admission import admit_chat, admit_completion
 from server.http.responses import (
     SSE_DONE,
     check_finish,
@@ -33,61 +33,10 @@ from server.http.responses import (
     usage,
 )
 from server.http.schemas import ChatCompletionRequest, CompletionRequest, _OpenAISampling
-from server.http.tokenizer_manager import ApiError, GenerateInput, TokenizerManager
-from server.http.tools import as_tool_call, call_schema, forced_names, parse_tools, tools_system_prompt
-from server.sampling_params import SamplingParams, SamplingParamsError
+from server.http.tokenizer_manager import TokenizerManager
+from server.http.tools import as_tool_call
 
 router = APIRouter()
-
-
-def _constraint(body: _OpenAISampling) -> dict[str, Any]:
-    """response_format (json_object, json_schema) or the regex / json_schema extensions, as
-    SamplingParams fields. Raises ApiError for a malformed response_format."""
-    rf = body.response_format
-    given = [n for n in ("regex", "json_schema") if getattr(body, n) is not None]
-    if rf is not None and rf.get("type") not in (None, "text"):
-        if given:
-            raise ApiError(400, f"give response_format or {given[0]}, not both", param=given[0])
-        if rf.get("type") == "json_object":
-            return {"json_schema": {"type": "object"}}
-        if rf.get("type") == "json_schema":
-            spec = rf.get("json_schema")
-            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
-                raise ApiError(400, "response_format.json_schema must be an object with a "
-                               "'schema'", param="response_format")
-            return {"json_schema": spec.get("schema") or {"type": "object"}}
-        raise ApiError(400, f"response_format type {rf.get('type')!r} is not supported",
-                       param="response_format")
-    return {"regex": body.regex, "json_schema": body.json_schema}
-
-
-def _params(body: _OpenAISampling, max_tokens: int, seed_offset: int = 0,
-            constraint: dict[str, Any] | None = None) -> SamplingParams:
-    stop = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
-    fields = {
-        "max_new_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p,
-        "top_k": body.top_k, "min_p": body.min_p, "presence_penalty": body.presence_penalty,
-        "frequency_penalty": body.frequency_penalty,
-        "repetition_penalty": body.repetition_penalty, "stop": stop,
-        "stop_token_ids": body.stop_token_ids, "ignore_eos": body.ignore_eos,
-        "min_new_tokens": body.min_tokens,
-        "seed": None if body.seed is None else body.seed + seed_offset,
-        "logit_bias": body.logit_bias,
-        **(constraint if constraint is not None else _constraint(body)),
-    }
-    try:
-        return SamplingParams.from_dict(fields)
-    except SamplingParamsError as exc:
-        param = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}.get(
-            exc.param, exc.param)
-        raise ApiError(400, str(exc).replace(exc.param, param, 1), param=param) from exc
-
-
-def _default_max_tokens(manager: TokenizerManager, prompt_len: int) -> int:
-    """Without max_tokens: as many as fit both the context and the KV pool (a pool smaller
-    than the context length must not refuse every such request)."""
-    room = min(manager.info.context_len, manager.info.max_total_tokens)
-    return max(room - prompt_len, 0)
 
 
 @router.get("/v1/models")
@@ -99,18 +48,6 @@ async def list_models(request: Request) -> dict:
 
 
 # ---------------------------------------------------------------- /v1/completions
-async def _prompts(manager: TokenizerManager, prompt: Any) -> list[list[int]]:
-    if isinstance(prompt, str):
-        return [await manager.encode_async(prompt)]
-    if not prompt:
-        raise ApiError(400, "prompt is empty", param="prompt")
-    if all(isinstance(p, int) for p in prompt):
-        return [list(prompt)]
-    if all(isinstance(p, str) for p in prompt):
-        return [await manager.encode_async(p) for p in prompt]
-    return [list(p) for p in prompt]
-
-
 def _completion_logprobs(manager: TokenizerManager, outs: list[P.ReqOutput], k: int,
                          echo_ids: list[int] | None) -> dict[str, Any]:
     pairs = [(lp, t) for o in outs for lp, t in o.output_token_logprobs]
@@ -132,26 +69,11 @@ def _completion_logprobs(manager: TokenizerManager, outs: list[P.ReqOutput], k: 
 @router.post("/v1/completions")
 async def completions(request: Request, body: CompletionRequest):
     manager = manager_of(request)
-    if body.tools:
-        raise ApiError(400, "'tools' is for /v1/chat/completions", param="tools")
-    if body.suffix:
-        raise ApiError(400, "'suffix' is not supported", param="suffix")
-    prompts = await _prompts(manager, body.prompt)
+    prompts, inputs = await admit_completion(manager, body)
     want_lp = body.logprobs is not None
-    inputs = []
-    for ids in prompts:
-        max_tokens = body.max_tokens if body.max_tokens is not None else \
-            _default_max_tokens(manager, len(ids))
-        for j in range(body.n):
-            inputs.append(GenerateInput(
-                ids, _params(body, max_tokens, j), return_logprob=want_lp,
-                logprob_start_len=0 if (want_lp and body.echo) else -1,
-                top_logprobs_num=body.logprobs or 0))
     rid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     model = request.app.state.model_name
-    for inp in inputs:  # every choice is checked before any is sent
-        manager.validate(inp, {"max_new_tokens": "max_tokens", "input_ids": "prompt"})
     streams = [manager.generate(inp) for inp in inputs]
     if body.stream:
         streams = await start_streams(request, streams)
@@ -234,45 +156,6 @@ def _usage(finals) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- /v1/chat/completions
-def _messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
-    out = []
-    for i, m in enumerate(body.messages):
-        content = m.content
-        if isinstance(content, list):
-            texts = []
-            for part in content:
-                if part.type != "text" or part.text is None:
-                    raise ApiError(400, f"messages[{i}]: content part type {part.type!r} is not "
-                                   "supported by this text-only model",
-                                   param=f"messages[{i}].content")
-                texts.append(part.text)
-            content = "".join(texts)
-        role = "system" if m.role == "developer" else m.role
-        if m.tool_calls and not content:  # an earlier call, shown to the model as it wrote it
-            content = "\n".join(json.dumps(_earlier_call(c, f"messages[{i}].tool_calls[{j}]"))
-                                for j, c in enumerate(m.tool_calls))
-        out.append({"role": role, "content": content or ""})
-    return out
-
-
-def _earlier_call(call: Any, where: str) -> dict[str, Any]:
-    """{"name", "arguments"} of an assistant message's earlier tool call. Raises ApiError 400
-    naming the field when it is not {"function": {"name": str, "arguments": JSON text}}."""
-    fn = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-        raise ApiError(400, f"{where}.function must be an object with a string 'name'",
-                       param=f"{where}.function")
-    args = fn.get("arguments") or "{}"
-    try:
-        arguments = json.loads(args) if isinstance(args, str) else None
-    except ValueError:
-        arguments = None
-    if not isinstance(arguments, dict):
-        raise ApiError(400, f"{where}.function.arguments must be a JSON object encoded as a "
-                       "string", param=f"{where}.function.arguments")
-    return {"name": fn["name"], "arguments": arguments}
-
-
 def _chat_logprobs(manager: TokenizerManager, outs: list[P.ReqOutput]) -> dict[str, Any]:
     content = []
     tops = [top for o in outs for top in o.output_top_logprobs]
@@ -288,37 +171,13 @@ def _chat_logprobs(manager: TokenizerManager, outs: list[P.ReqOutput]) -> dict[s
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request, body: ChatCompletionRequest):
     manager = manager_of(request)
-    tools = parse_tools(body.tools)
-    names = forced_names(tools, body.tool_choice)
-    messages = _messages(body)
-    constraint = None
-    if tools and names != []:
-        if not manager.template_renders_tools:
-            messages = [{"role": "system", "content": tools_system_prompt(tools)}] + messages
-        if names:
-            if body.response_format or body.regex or body.json_schema:
-                raise ApiError(400, "a forced tool call cannot be combined with another "
-                               "constraint", param="tool_choice")
-            constraint = {"json_schema": call_schema(tools, names)}
-    ids = await manager.apply_chat_template_async(
-        messages, tools=[{"type": "function", "function": t} for t in tools.values()]
-        if tools and names != [] and manager.template_renders_tools else None)
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
-        else body.max_tokens
-    if max_tokens is None:
-        max_tokens = _default_max_tokens(manager, len(ids))
-    inputs = [GenerateInput(ids, _params(body, max_tokens, j, constraint),
-                            return_logprob=body.logprobs, top_logprobs_num=body.top_logprobs or 0)
-              for j in range(body.n)]
-    use_tools = bool(tools) and names != []
+    inputs, tools, use_tools = await admit_chat(manager, body)
 
     def message(text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
         call = as_tool_call(text, tools) if use_tools else None
         if call is None:
             return {"role": "assistant", "content": text}, finish
         return {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"
-    for inp in inputs:
-        manager.validate(inp, {"max_new_tokens": "max_tokens", "input_ids": "messages"})
     streams = [manager.generate(inp) for inp in inputs]
     if body.stream:
         streams = await start_streams(request, streams)

@@ -1,0 +1,225 @@
+"""Admission: one place that turns an API request body into the validated requests sent to the
+scheduler, all before the response starts (so a streaming request fails exactly like a
+non-streaming one): chat template and tokenization (on the tokenizer threads), SamplingParams,
+constraints (response_format, regex, json_schema, tools), default max_tokens, and validation
+with the API's own field names in error messages. Grammars themselves compile in the
+scheduler process, off its loop (:mod:`server.scheduler.loop`); a spec that cannot compile
+comes back before the headers (:func:`server.http.responses.start_streams`).
+
+Errors: :class:`server.http.tokenizer_manager.ApiError` (400) naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from server.http.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    _OpenAISampling,
+)
+from server.http.tokenizer_manager import ApiError, GenerateInput, TokenizerManager
+from server.http.tools import call_schema, forced_names, parse_tools, tools_system_prompt
+from server.sampling_params import SamplingParams, SamplingParamsError
+
+# Engine field -> the API's name, for error messages.
+COMPLETION_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
+                    "input_ids": "prompt"}
+CHAT_NAMES = {**COMPLETION_NAMES, "input_ids": "messages"}
+
+
+async def admit_completion(manager: TokenizerManager, body: CompletionRequest
+                           ) -> tuple[list[list[int]], list[GenerateInput]]:
+    """/v1/completions: (prompt token ids, one input per prompt x n, prompt-major)."""
+    if body.tools:
+        raise ApiError(400, "'tools' is for /v1/chat/completions", param="tools")
+    if body.suffix:
+        raise ApiError(400, "'suffix' is not supported", param="suffix")
+    prompts = await _prompts(manager, body.prompt)
+    want_lp = body.logprobs is not None
+    inputs = []
+    for ids in prompts:
+        max_tokens = body.max_tokens if body.max_tokens is not None else \
+            _default_max_tokens(manager, len(ids))
+        for j in range(body.n):
+            inputs.append(GenerateInput(
+                ids, _params(body, max_tokens, j), return_logprob=want_lp,
+                logprob_start_len=0 if (want_lp and body.echo) else -1,
+                top_logprobs_num=body.logprobs or 0))
+    for inp in inputs:  # every choice is checked before any is sent
+        manager.validate(inp, COMPLETION_NAMES)
+    return prompts, inputs
+
+
+async def admit_chat(manager: TokenizerManager, body: ChatCompletionRequest
+                     ) -> tuple[list[GenerateInput], dict[str, dict], bool]:
+    """/v1/chat/completions: (n inputs, the parsed tools, whether replies may be tool calls)."""
+    tools = parse_tools(body.tools)
+    names = forced_names(tools, body.tool_choice)
+    messages = _messages(body)
+    constraint = None
+    use_tools = bool(tools) and names != []
+    if use_tools:
+        if not manager.template_renders_tools:
+            messages = [{"role": "system", "content": tools_system_prompt(tools)}] + messages
+        if names:
+            if body.response_format or body.regex or body.json_schema:
+                raise ApiError(400, "a forced tool call cannot be combined with another "
+                               "constraint", param="tool_choice")
+            constraint = {"json_schema": call_schema(tools, names)}
+    ids = await manager.apply_chat_template_async(
+        messages, tools=[{"type": "function", "function": t} for t in tools.values()]
+        if use_tools and manager.template_renders_tools else None)
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
+        else body.max_tokens
+    if max_tokens is None:
+        max_tokens = _default_max_tokens(manager, len(ids))
+    inputs = [GenerateInput(ids, _params(body, max_tokens, j, constraint),
+                            return_logprob=body.logprobs, top_logprobs_num=body.top_logprobs or 0)
+              for j in range(body.n)]
+    for inp in inputs:
+        manager.validate(inp, CHAT_NAMES)
+    return inputs, tools, use_tools
+
+
+def _constraint(body: _OpenAISampling) -> dict[str, Any]:
+    """response_format (json_object, json_schema) or the regex / json_schema extensions, as
+    SamplingParams fields. Raises ApiError for a malformed response_format."""
+    rf = body.response_format
+    given = [n for n in ("regex", "json_schema") if getattr(body, n) is not None]
+    if rf is not None and rf.get("type") not in (None, "text"):
+        if given:
+            raise ApiError(400, f"give response_format or {given[0]}, not both", param=given[0])
+        if rf.get("type") == "json_object":
+            return {"json_schema": {"type": "object"}}
+        if rf.get("type") == "json_schema":
+            spec = rf.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                raise ApiError(400, "response_format.json_schema must be an object with a "
+                               "'schema'", param="response_format")
+            return {"json_schema": spec.get("schema") or {"type": "object"}}
+        raise ApiError(400, f"response_format type {rf.get('type')!r} is not supported",
+                       param="response_format")
+    return {"regex": body.regex, "json_schema": body.json_schema}
+
+
+def _params(body: _OpenAISampling, max_tokens: int, seed_offset: int = 0,
+            constraint: dict[str, Any] | None = None) -> SamplingParams:
+    stop = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
+    fields = {
+        "max_new_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p,
+        "top_k": body.top_k, "min_p": body.min_p, "presence_penalty": body.presence_penalty,
+        "frequency_penalty": body.frequency_penalty,
+        "repetition_penalty": body.repetition_penalty, "stop": stop,
+        "stop_token_ids": body.stop_token_ids, "ignore_eos": body.ignore_eos,
+        "min_new_tokens": body.min_tokens,
+        "seed": None if body.seed is None else body.seed + seed_offset,
+        "logit_bias": body.logit_bias,
+        **(constraint if constraint is not None else _constraint(body)),
+    }
+    try:
+        return SamplingParams.from_dict(fields)
+    except SamplingParamsError as exc:
+        param = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}.get(
+            exc.param, exc.param)
+        raise ApiError(400, str(exc).replace(exc.param, param, 1), param=param) from exc
+
+
+def _default_max_tokens(manager: TokenizerManager, prompt_len: int) -> int:
+    """Without max_tokens: as many as fit both the context and the KV pool (a pool smaller
+    than the context length must not refuse every such request)."""
+    room = min(manager.info.context_len, manager.info.max_total_tokens)
+    return max(room - prompt_len, 0)
+
+
+async def _prompts(manager: TokenizerManager, prompt: Any) -> list[list[int]]:
+    if isinstance(prompt, str):
+        return [await manager.encode_async(prompt)]
+    if not prompt:
+        raise ApiError(400, "prompt is empty", param="prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]
+    if all(isinstance(p, str) for p in prompt):
+        return [await manager.encode_async(p) for p in prompt]
+    return [list(p) for p in prompt]
+
+
+def _messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
+    out = []
+    for i, m in enumerate(body.messages):
+        content = m.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    raise ApiError(400, f"messages[{i}]: content part type {part.type!r} is not "
+                                   "supported by this text-only model",
+                                   param=f"messages[{i}].content")
+                texts.append(part.text)
+            content = "".join(texts)
+        role = "system" if m.role == "developer" else m.role
+        if m.tool_calls and not content:  # an earlier call, shown to the model as it wrote it
+            content = "\n".join(json.dumps(_earlier_call(c, f"messages[{i}].tool_calls[{j}]"))
+                                for j, c in enumerate(m.tool_calls))
+        out.append({"role": role, "content": content or ""})
+    return out
+
+
+def _earlier_call(call: Any, where: str) -> dict[str, Any]:
+    """{"name", "arguments"} of an assistant message's earlier tool call. Raises ApiError 400
+    naming the field when it is not {"function": {"name": str, "arguments": JSON text}}."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise ApiError(400, f"{where}.function must be an object with a string 'name'",
+                       param=f"{where}.function")
+    args = fn.get("arguments") or "{}"
+    try:
+        arguments = json.loads(args) if isinstance(args, str) else None
+    except ValueError:
+        arguments = None
+    if not isinstance(arguments, dict):
+        raise ApiError(400, f"{where}.function.arguments must be a JSON object encoded as a "
+                       "string", param=f"{where}.function.arguments")
+    return {"name": fn["name"], "arguments": arguments}
+
+
+async def admit_generate(manager: TokenizerManager, body: GenerateRequest
+                         ) -> tuple[list[GenerateInput], bool]:
+    """/generate: (one input per prompt, whether the body was a single prompt)."""
+    if (body.text is None) == (body.input_ids is None):
+        raise ApiError(400, "give exactly one of 'text' and 'input_ids'", param="text")
+    if body.image_data is not None:
+        raise ApiError(400, "image_data: this model is text-only", param="image_data")
+    if body.text is not None:
+        single = isinstance(body.text, str)
+        prompts = [await manager.encode_async(t, "text")
+                   for t in ([body.text] if single else body.text)]
+    else:
+        single = not body.input_ids or isinstance(body.input_ids[0], int)
+        prompts = [list(body.input_ids)] if single else [list(p) for p in body.input_ids]
+    if not prompts:
+        raise ApiError(400, "the batch is empty", param="text")
+    sp = body.sampling_params
+    sps = sp if isinstance(sp, list) else [sp or {}] * len(prompts)
+    rids = body.rid if isinstance(body.rid, list) else [body.rid] * len(prompts)
+    if len(sps) != len(prompts) or len(rids) != len(prompts):
+        raise ApiError(400, "sampling_params and rid lists must match the batch size",
+                       param="sampling_params")
+    inputs = []
+    for k, (ids, d, rid) in enumerate(zip(prompts, sps, rids)):
+        try:
+            params = SamplingParams.from_dict(d)
+        except SamplingParamsError as exc:
+            raise ApiError(400, f"sampling_params.{exc}", param=exc.param) from exc
+        if params.n != 1:
+            raise ApiError(400, "sampling_params.n > 1 is not supported on /generate; send the "
+                           "prompt several times", param="n")
+        if rid is not None and len(prompts) > 1 and not isinstance(body.rid, list):
+            rid = f"{rid}-{k}"
+        inputs.append(GenerateInput(ids, params, body.return_logprob, body.logprob_start_len,
+                                    body.top_logprobs_num, rid, body.cache_salt))
+    for inp in inputs:
+        manager.validate(inp)
+    return inputs, single
