@@ -162,21 +162,29 @@ class Sampler:
         the last bits (another batch composition): near-equal tokens swapping ranks would
         otherwise change which token a given u selects."""
         dev = logits.device
-        temps = _values([st.params.temperature for st in states], logits.dtype, dev)[:, None]
-        sorted_logits, sorted_ids = (logits / temps).sort(dim=-1, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
         vocab = logits.shape[-1]
-        top_k = _index([st.params.top_k if st.params.top_k > 0 else vocab for st in states], dev)
-        top_p = _values([st.params.top_p for st in states], logits.dtype, dev)[:, None]
+        temps = _values([st.params.temperature for st in states], logits.dtype, dev)[:, None]
         min_p = _values([st.params.min_p for st in states], logits.dtype, dev)[:, None]
-        ranks = torch.arange(vocab, device=dev)[None, :]
-        drop = ranks >= top_k[:, None]
-        drop |= (probs.cumsum(dim=-1) - probs) > top_p  # keep the smallest set reaching top_p
-        drop |= probs < min_p * probs[:, :1]
-        drop[:, 0] = False  # the most likely token always survives
-        # float64 running sum: ~1e5 additions must not add rounding of their own.
-        kept = torch.zeros(probs.shape, dtype=torch.float64, device=dev).scatter_(
-            1, sorted_ids, probs.double().masked_fill(drop, 0.0)).cumsum_(dim=-1)
+        if not any(0 < st.params.top_k < vocab or st.params.top_p < 1.0 for st in states):
+            # Temperature (and min-p) only, the common case: no sort over the vocabulary
+            # (~2 ms a row on 2 CPU cores for 49k ids), the same kept set and draw.
+            probs = torch.softmax(logits / temps, dim=-1)
+            drop = probs < min_p * probs.amax(dim=-1, keepdim=True)
+            kept = probs.double().masked_fill_(drop, 0.0).cumsum_(dim=-1)
+        else:
+            sorted_logits, sorted_ids = (logits / temps).sort(dim=-1, descending=True)
+            probs = torch.softmax(sorted_logits, dim=-1)
+            top_k = _index([st.params.top_k if st.params.top_k > 0 else vocab
+                            for st in states], dev)
+            top_p = _values([st.params.top_p for st in states], logits.dtype, dev)[:, None]
+            ranks = torch.arange(vocab, device=dev)[None, :]
+            drop = ranks >= top_k[:, None]
+            drop |= (probs.cumsum(dim=-1) - probs) > top_p  # the smallest set reaching top_p
+            drop |= probs < min_p * probs[:, :1]
+            drop[:, 0] = False  # the most likely token always survives
+            # float64 running sum: ~1e5 additions must not add rounding of their own.
+            kept = torch.zeros(probs.shape, dtype=torch.float64, device=dev).scatter_(
+                1, sorted_ids, probs.double().masked_fill(drop, 0.0)).cumsum_(dim=-1)
         u = torch.tensor([float(torch.rand((), generator=st.generator or self.generator))
                           for st in states], dtype=torch.float64)
         if dev.type != "cpu":

@@ -98,6 +98,21 @@ def test_draws_follow_the_tempered_distribution():
         assert ((freq - expected).abs() <= 4 * stderr + 1e-9).all(), (freq, expected)
 
 
+def test_a_row_draws_the_same_with_or_without_sorting_neighbours():
+    """Temperature-only rows skip the vocabulary sort unless a neighbour needs it (top-k or
+    top-p): the same seed gives the same tokens either way."""
+    logits = _logits(2, vocab=5000, seed=4)
+    p = SamplingParams(temperature=0.9, min_p=0.01, seed=99)
+    alone, st = [], _state(p)
+    for _ in range(30):
+        alone.append(Sampler(0).sample(logits[:1], [st]).next_ids[0])
+    mixed, st = [], _state(p)
+    sorter = _state(SamplingParams(temperature=1.0, top_p=0.5))
+    for _ in range(30):
+        mixed.append(Sampler(0).sample(logits, [st, sorter]).next_ids[0])
+    assert alone == mixed and len(set(alone)) > 1
+
+
 def test_top_k_top_p_restrict_support():
     logits = torch.tensor([[5.0, 4.0, 3.0, -10.0, -10.0]])
     s = Sampler(0)
