@@ -2,7 +2,7 @@
 
     python -m benchmarks.engine [--model PATH] [--dtypes auto,float32] [--new-tokens 64]
         [--device auto|cpu|cuda] [--attention-backends auto,reference,triton,flashinfer]
-        [--batches 1,8,32] [--cuda-graph on,off]
+        [--batches 1,8,32] [--cuda-graph on,off] [--temperature 0]
 
 Prints one markdown table: prefill tokens/s (512-token prompts), decode tokens/s at each batch
 size (default 1, 8, 32 on CPU and 1, 16, 64, 256 on CUDA; 128-token prompts, decode steps
@@ -60,11 +60,13 @@ def make_prompts(engine: Engine, texts: list[str], length: int,
     return out
 
 
-def run_engine(engine: Engine, prompts: list[list[int]], new_tokens: int) -> dict[str, float]:
-    """Returns prefill and decode tokens/s, counting forward-pass time per mode."""
+def run_engine(engine: Engine, prompts: list[list[int]], new_tokens: int,
+               temperature: float = 0.0) -> dict[str, float]:
+    """Returns prefill and decode tokens/s, counting forward-pass and sampling time per
+    mode."""
     if len(prompts) != len({tuple(p) for p in prompts}):
         raise ValueError("prompts must be distinct")
-    params = SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=temperature, ignore_eos=True)
     for r in [engine.make_request(p, params) for p in prompts]:
         engine.scheduler.add_request(r)
     t = {ForwardMode.EXTEND: 0.0, ForwardMode.DECODE: 0.0}
@@ -134,11 +136,16 @@ def copy_bandwidth(device: str, mib: int = 256, repeats: int = 10) -> float:
 
 
 def weight_bytes(engine: Engine) -> int:
-    """Bytes one decode step reads: every parameter, except an untied input embedding, of
-    which a step reads only one row per token (the tied one is read whole by the logits)."""
-    model = engine.runner.model
-    skip = set() if model.lm_head is None else {id(p) for p in model.embed_tokens.parameters()}
-    return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skip)
+    """Bytes one decode step reads: all weights (packed quantized ones included, the dense
+    prefill copies not), except an untied input embedding, of which a step reads one row per
+    token (a tied one is read whole by the logits)."""
+    model, report = engine.runner.model, engine.runner.quant_report
+    total = report.weight_bytes - report.prefill_copy_bytes
+    if model.lm_head is not None:
+        emb = model.embed_tokens
+        total -= sum(t.numel() * t.element_size()
+                     for t in (*emb.parameters(), *emb.buffers()))
+    return total
 
 
 def main() -> None:
@@ -151,6 +158,8 @@ def main() -> None:
     ap.add_argument("--device", default="auto", help="auto (cuda if present), cpu or cuda[:N]")
     ap.add_argument("--attention-backends", default="auto",
                     help="comma-separated: auto, reference, triton, flashinfer")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="decode sampling temperature (0 = greedy)")
     ap.add_argument("--batches", default=None,
                     help="decode batch sizes (default 1,8,32 on CPU; 1,16,64,256 on CUDA)")
     ap.add_argument("--cuda-graph", default="on",
@@ -181,7 +190,8 @@ def main() -> None:
         run_engine(engine, short[:2] + make_prompts(engine, texts[8:10], 512), 4)
         engine.flush_cache()  # the short prompts are prefixes of the long ones
         prefill = run_engine(engine, long_prompts, 0)["prefill"]
-        decode = {b: run_engine(engine, short[:b], args.new_tokens)["decode"] for b in batches}
+        decode = {b: run_engine(engine, short[:b], args.new_tokens, args.temperature)["decode"]
+                  for b in batches}
         gbs = (f"{weight_bytes(engine) * decode[1] / 1e9:.1f}" if 1 in decode else "")
         rows.append(["sgl-adapters Engine", engine.runner.attention.name,
                      engine.config.model.dtype, graph if cuda else "", f"{prefill:.0f}", gbs]
