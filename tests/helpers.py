@@ -13,7 +13,7 @@ TINY_VOCAB = 49152  # the default model's tokenizer vocabulary
 
 def tiny_config(kind: str = "llama", **overrides):
     """A 2-layer, hidden-64 config of the given family (transformers config object)."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128,
                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -30,6 +30,9 @@ def tiny_config(kind: str = "llama", **overrides):
         common.update(num_attention_heads=6, num_key_value_heads=2, hidden_size=96,
                       tie_word_embeddings=True)
         cfg = LlamaConfig(**common)
+    elif kind == "qwen3":  # per-head q/k RMSNorm, explicit head_dim != hidden / heads
+        common.update(head_dim=32)
+        cfg = Qwen3Config(**common, use_sliding_window=False)
     elif kind == "qwen2":  # QKV bias
         cfg = Qwen2Config(**common, use_sliding_window=False)
     elif kind == "mistral":

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 class UnsupportedModelError(ValueError):
@@ -49,6 +49,7 @@ class ArchConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim of each query and key head, before RoPE
     rope_scaling: RopeScaling | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -116,6 +117,7 @@ class ArchConfig:
             qkv_bias=attn_bias or model_type == "qwen2",
             o_bias=attn_bias and model_type != "qwen2",
             mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
             rope_scaling=scaling,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
@@ -158,6 +160,7 @@ class ArchConfig:
             max_position_embeddings=int(get("context_length", 4096)),
             tie_word_embeddings=not has_output_tensor,
             qkv_bias=has_qkv_bias,
+            qk_norm=arch == "qwen3",
             rope_scaling=scaling,
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=() if eos is None else (int(eos),),

@@ -1,5 +1,6 @@
 """Llama-family decoder: Llama 2/3 (incl. llama3 RoPE scaling), SmolLM2 (tied embeddings),
-Qwen2 (QKV bias), Mistral (full attention).
+Qwen2 (QKV bias), Qwen3 (per-head RMSNorm of queries and keys before RoPE), Mistral (full
+attention).
 
 Batched over a flat token dimension: the forward pass takes [T] token ids and positions of any
 mix of sequences and leaves per-sequence structure to the attention backend, which reads and
@@ -65,6 +66,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = nn.Parameter(torch.ones(arch.hidden_size))
         self.split = (q_size, kv_size, kv_size)
         self.scale = arch.head_dim ** -0.5
+        if arch.qk_norm:  # Qwen3 (HF Qwen3Attention: q_norm / k_norm over head_dim)
+            self.q_norm = nn.Parameter(torch.ones(arch.head_dim))
+            self.k_norm = nn.Parameter(torch.ones(arch.head_dim))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn: AttentionBackend, attn_id: int | None = None) -> torch.Tensor:
@@ -73,7 +77,15 @@ class DecoderLayer(nn.Module):
         qkv = self.qkv_proj(h)
         q_size, kv_size, _ = self.split
         # Q and K heads are adjacent in the fused output: one RoPE call rotates both.
-        qk = attn.apply_rope(qkv[:, :q_size + kv_size].view(t, -1, self.head_dim), cos, sin)
+        qk = qkv[:, :q_size + kv_size].view(t, -1, self.head_dim)
+        if hasattr(self, "q_norm"):
+            d = self.head_dim
+            qk = torch.cat((
+                attn.rms_norm(qk[:, :self.num_heads].reshape(-1, d), self.q_norm, self.eps)
+                .view(t, self.num_heads, d),
+                attn.rms_norm(qk[:, self.num_heads:].reshape(-1, d), self.k_norm, self.eps)
+                .view(t, self.num_kv_heads, d)), dim=1)
+        qk = attn.apply_rope(qk, cos, sin)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, q_size + kv_size:].view(t, self.num_kv_heads, self.head_dim)
         o = attention(attn, attn_id, self.layer_id, q, k, v, self.scale)
@@ -136,6 +148,8 @@ class LlamaForCausalLM(nn.Module):
         if name.startswith("model.layers."):
             _, _, idx, rest = name.split(".", 3)
             module, kind = rest.rsplit(".", 1)
+            if module in _RENAMED:
+                return f"layers.{idx}.{_RENAMED[module]}", 0, None
             fused = _FUSED.get(module)
             if fused is None:
                 return f"layers.{idx}.{module}", 0, None
@@ -164,6 +178,8 @@ class LlamaForCausalLM(nn.Module):
         return report
 
 
+# HF module suffix -> our parameter in DecoderLayer
+_RENAMED = {"self_attn.q_norm": "q_norm", "self_attn.k_norm": "k_norm"}
 # HF module suffix -> (q, kv, intermediate sizes) -> (our fused module, first row, rows)
 _FUSED = {
     "self_attn.q_proj": lambda q, kv, i: ("qkv_proj", 0, q),

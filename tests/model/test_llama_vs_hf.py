@@ -16,7 +16,7 @@ from server.model.loader import load_model
 from server.model.runner import ModelRunner
 from tests.helpers import hf_logits
 
-FAMILIES = ["llama", "llama3", "tied", "qwen2", "mistral"]
+FAMILIES = ["llama", "llama3", "tied", "qwen2", "qwen3", "mistral"]
 TOL = 1e-4
 
 

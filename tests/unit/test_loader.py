@@ -53,4 +53,5 @@ def test_gguf_names():
     assert gguf_to_hf_name("blk.3.attn_q.weight") == "model.layers.3.self_attn.q_proj.weight"
     assert gguf_to_hf_name("blk.0.ffn_norm.weight") == "model.layers.0.post_attention_layernorm.weight"
     assert gguf_to_hf_name("output.weight") == "lm_head.weight"
+    assert gguf_to_hf_name("blk.2.attn_k_norm.weight") == "model.layers.2.self_attn.k_norm.weight"
     assert gguf_to_hf_name("rope_freqs.weight") is None

@@ -53,3 +53,21 @@ def test_gguf_metadata():
     a = ArchConfig.from_gguf(meta, has_output_tensor=False, has_qkv_bias=False)
     assert (a.num_layers, a.head_dim, a.num_kv_heads, a.tie_word_embeddings) == (30, 64, 3, True)
     assert a.eos_token_ids == (2,)
+
+
+def test_qwen3_configs_are_read_with_their_qk_norm():
+    from server.model.config import ArchConfig
+
+    hf = {"model_type": "qwen3", "vocab_size": 151936, "hidden_size": 1024,
+          "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
+          "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-6,
+          "rope_theta": 1000000, "max_position_embeddings": 40960, "attention_bias": False,
+          "use_sliding_window": False, "sliding_window": None, "tie_word_embeddings": True}
+    a = ArchConfig.from_hf(hf)  # Qwen3-0.6B's shape: head_dim 128 != 1024 / 16
+    assert a.qk_norm and a.head_dim == 128 and not a.qkv_bias and not a.o_bias
+    g = ArchConfig.from_gguf({"general.architecture": "qwen3", "qwen3.attention.head_count": 16,
+                              "qwen3.embedding_length": 1024, "qwen3.vocab_size": 151936,
+                              "qwen3.feed_forward_length": 3072, "qwen3.block_count": 28,
+                              "qwen3.attention.key_length": 128},
+                             has_output_tensor=False, has_qkv_bias=False)
+    assert g.qk_norm and g.head_dim == 128 and g.tie_word_embeddings
