@@ -13,7 +13,7 @@ TINY_VOCAB = 49152  # the default model's tokenizer vocabulary
 
 def tiny_config(kind: str = "llama", **overrides):
     """A 2-layer, hidden-64 config of the given family (transformers config object)."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
 
     common = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128,
                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -33,6 +33,11 @@ def tiny_config(kind: str = "llama", **overrides):
     elif kind == "qwen3":  # per-head q/k RMSNorm, explicit head_dim != hidden / heads
         common.update(head_dim=32)
         cfg = Qwen3Config(**common, use_sliding_window=False)
+    elif kind == "phi3":  # fused qkv / gate_up weights; LongRoPE (context 512 = 2 x original)
+        common.update(pad_token_id=0)
+        cfg = Phi3Config(**common, original_max_position_embeddings=256, rope_scaling={
+            "type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
+            "long_factor": [2.0 + 0.3 * i for i in range(8)]})
     elif kind == "qwen2":  # QKV bias
         cfg = Qwen2Config(**common, use_sliding_window=False)
     elif kind == "mistral":

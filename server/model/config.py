@@ -1,18 +1,20 @@
 """Model hyper-parameters of a Llama-family decoder, read from HF ``config.json`` or GGUF metadata.
 
 One frozen :class:`ArchConfig` describes Llama 2/3 (incl. llama3 RoPE scaling), SmolLM2 (tied
-embeddings), Qwen2 (QKV bias) and Mistral (no sliding window) models; :mod:`server.model.llama`
-needs nothing else.
+embeddings), Qwen2 (QKV bias), Qwen3 (q/k norm), Phi-3/Phi-4 (fused checkpoints, LongRoPE) and
+Mistral (no sliding window) models; :mod:`server.model.llama` needs nothing else.
 
 Errors: an unsupported architecture or option raises :class:`UnsupportedModelError`.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")  # name mapping checked for these
 
 
 class UnsupportedModelError(ValueError):
@@ -21,13 +23,18 @@ class UnsupportedModelError(ValueError):
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """RoPE frequency scaling (HF ``rope_type``: "linear" or "llama3")."""
+    """RoPE frequency scaling (HF ``rope_type``: "linear", "llama3", or "longrope": Phi-3's
+    LongRoPE, per-dimension ``short_factor`` / ``long_factor`` divisors and an
+    ``attention_factor`` that scales cos and sin)."""
 
     rope_type: str
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -94,8 +101,25 @@ class ArchConfig:
                 low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
                 high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
                 original_max_position_embeddings=int(rope["original_max_position_embeddings"]))
+        elif rope_type in ("longrope", "su"):
+            orig = int(rope.get("original_max_position_embeddings")
+                       or cfg.get("original_max_position_embeddings") or max_pos)
+            factor = float(rope.get("factor") or max_pos / orig)
+            attention = rope.get("attention_factor")
+            if attention is None:  # the LongRoPE paper's default (HF ROPE_INIT_FUNCTIONS)
+                attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor)
+                                                                / math.log(orig))
+            scaling = RopeScaling(
+                "longrope", factor=factor, original_max_position_embeddings=orig,
+                short_factor=tuple(float(x) for x in rope["short_factor"]),
+                long_factor=tuple(float(x) for x in rope["long_factor"]),
+                attention_factor=float(attention))
         elif rope_type != "default":
             raise UnsupportedModelError(f"rope_type {rope_type!r} is not supported")
+        partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+        if partial != 1.0:
+            raise UnsupportedModelError(
+                f"partial_rotary_factor {partial} (RoPE on part of each head) is not supported")
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         eos = cfg.get("eos_token_id")
@@ -132,9 +156,9 @@ class ArchConfig:
         loader applies directly, so it is not represented here.
         """
         arch = meta["general.architecture"]
-        if arch not in SUPPORTED_MODEL_TYPES:
+        if arch not in GGUF_ARCHITECTURES:
             raise UnsupportedModelError(
-                f"GGUF architecture {arch!r} is not supported (supported: {SUPPORTED_MODEL_TYPES})")
+                f"GGUF architecture {arch!r} is not supported (supported: {GGUF_ARCHITECTURES})")
 
         def get(key: str, default: Any = None) -> Any:
             return meta.get(f"{arch}.{key}", default)

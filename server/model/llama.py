@@ -1,6 +1,6 @@
 """Llama-family decoder: Llama 2/3 (incl. llama3 RoPE scaling), SmolLM2 (tied embeddings),
-Qwen2 (QKV bias), Qwen3 (per-head RMSNorm of queries and keys before RoPE), Mistral (full
-attention).
+Qwen2 (QKV bias), Qwen3 (per-head RMSNorm of queries and keys before RoPE), Phi-3/Phi-4 (fused
+qkv and gate_up in the checkpoint, LongRoPE), Mistral (full attention).
 
 Batched over a flat token dimension: the forward pass takes [T] token ids and positions of any
 mix of sequences and leaves per-sequence structure to the attention backend, which reads and
@@ -113,13 +113,28 @@ class LlamaForCausalLM(nn.Module):
 
     def init_rope_cache(self) -> None:
         """(Re)compute the float32 cos/sin tables [max_positions, head_dim] on the model's
-        device; call after moving a meta-initialized model to a real device."""
+        device; call after moving a meta-initialized model to a real device.
+
+        LongRoPE (Phi-3): positions below ``original_max_position_embeddings`` use the short
+        factors and later ones the long factors, both scaled by the attention factor (vLLM's
+        ``Phi3LongRoPEScaledRotaryEmbedding``); HF switches the whole sequence to the long
+        factors once it is longer, so the two agree on sequences within the original length."""
         device = self.norm.device
-        inv = rope_inv_freq(self.arch, self.rope_freq_factors)
-        freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32), inv)
+        positions = torch.arange(self.max_positions, dtype=torch.float32)
+        s = self.arch.rope_scaling
+        if s is not None and s.rope_type == "longrope":
+            base = rope_inv_freq(self.arch)
+            short = torch.outer(positions, base / torch.tensor(s.short_factor))
+            long = torch.outer(positions, base / torch.tensor(s.long_factor))
+            freqs = torch.where(positions[:, None] < s.original_max_position_embeddings,
+                                short, long)
+            scale = s.attention_factor
+        else:
+            freqs = torch.outer(positions, rope_inv_freq(self.arch, self.rope_freq_factors))
+            scale = 1.0
         emb = torch.cat((freqs, freqs), dim=-1).to(device)
-        self.register_buffer("cos_cache", emb.cos(), persistent=False)
-        self.register_buffer("sin_cache", emb.sin(), persistent=False)
+        self.register_buffer("cos_cache", emb.cos() * scale, persistent=False)
+        self.register_buffer("sin_cache", emb.sin() * scale, persistent=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn: AttentionBackend, attn_id: int | None = None) -> torch.Tensor:
@@ -150,6 +165,8 @@ class LlamaForCausalLM(nn.Module):
             module, kind = rest.rsplit(".", 1)
             if module in _RENAMED:
                 return f"layers.{idx}.{_RENAMED[module]}", 0, None
+            if module in _PRE_FUSED:  # Phi-3 checkpoints store them fused, in our order
+                return f"layers.{idx}.{_PRE_FUSED[module]}.{kind}", 0, None
             fused = _FUSED.get(module)
             if fused is None:
                 return f"layers.{idx}.{module}", 0, None
@@ -180,6 +197,8 @@ class LlamaForCausalLM(nn.Module):
 
 # HF module suffix -> our parameter in DecoderLayer
 _RENAMED = {"self_attn.q_norm": "q_norm", "self_attn.k_norm": "k_norm"}
+# HF module suffix of an already fused projection -> ours (rows q, k, v / gate, up)
+_PRE_FUSED = {"self_attn.qkv_proj": "qkv_proj", "mlp.gate_up_proj": "gate_up_proj"}
 # HF module suffix -> (q, kv, intermediate sizes) -> (our fused module, first row, rows)
 _FUSED = {
     "self_attn.q_proj": lambda q, kv, i: ("qkv_proj", 0, q),

@@ -16,7 +16,7 @@ from server.model.loader import load_model
 from server.model.runner import ModelRunner
 from tests.helpers import hf_logits
 
-FAMILIES = ["llama", "llama3", "tied", "qwen2", "qwen3", "mistral"]
+FAMILIES = ["llama", "llama3", "tied", "qwen2", "qwen3", "phi3", "mistral"]
 TOL = 1e-4
 
 
@@ -129,3 +129,20 @@ def test_sharded_safetensors_load(make_tiny_model):
     seq = _random_seqs([16], seed=6)[0]
     out = Harness(path).extend({0: seq})[0]
     assert (out - hf_logits(hf, seq)).abs().max().item() <= TOL
+
+
+def test_longrope_tables_follow_hf_on_both_sides_of_the_original_length(make_tiny_model):
+    """Phi-3 LongRoPE: positions below original_max_position_embeddings rotate with the short
+    factors, later ones with the long factors (HF uses the long ones for a whole sequence once
+    it is longer; the two agree position by position on each side), both scaled by the
+    attention factor."""
+    path, hf = make_tiny_model("phi3")
+    h = Harness(path)
+    model = h.runner.model
+    rotary = hf.model.rotary_emb
+    x = torch.zeros(1, dtype=torch.float32)
+    for length in (200, 400):  # within the original 256, and past it
+        cos, sin = rotary(x, torch.arange(length)[None])
+        lo = 0 if length <= 256 else 256
+        torch.testing.assert_close(model.cos_cache[lo:length], cos[0, lo:], atol=1e-5, rtol=0)
+        torch.testing.assert_close(model.sin_cache[lo:length], sin[0, lo:], atol=1e-5, rtol=0)
