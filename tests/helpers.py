@@ -13,7 +13,15 @@ TINY_VOCAB = 49152  # the default model's tokenizer vocabulary
 
 def tiny_config(kind: str = "llama", **overrides):
     """A 2-layer, hidden-64 config of the given family (transformers config object)."""
-    from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
+    from transformers import (
+        LlamaConfig,
+        MistralConfig,
+        MixtralConfig,
+        Phi3Config,
+        Qwen2Config,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     common = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128,
                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -38,6 +46,15 @@ def tiny_config(kind: str = "llama", **overrides):
         cfg = Phi3Config(**common, original_max_position_embeddings=256, rope_scaling={
             "type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
             "long_factor": [2.0 + 0.3 * i for i in range(8)]})
+    elif kind == "mixtral":  # 4 experts, top-2, every layer sparse
+        cfg = MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2,
+                            sliding_window=None)
+    elif kind == "qwen3_moe":  # q/k norm, layer 0 dense (mlp_only_layers), top-2 of 4
+        common.update(head_dim=32)
+        cfg = Qwen3MoeConfig(**common, num_experts=4, num_experts_per_tok=2,
+                             moe_intermediate_size=48, norm_topk_prob=True,
+                             decoder_sparse_step=1, mlp_only_layers=[0],
+                             use_sliding_window=False)
     elif kind == "qwen2":  # QKV bias
         cfg = Qwen2Config(**common, use_sliding_window=False)
     elif kind == "mistral":

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe")
 GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")  # name mapping checked for these
 
 
@@ -57,6 +57,12 @@ class ArchConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim of each query and key head, before RoPE
+    # Mixture of experts (Mixtral, Qwen3-MoE): experts per sparse layer (0 = dense model)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    moe_renormalize: bool = True
+    sparse_layers: tuple[int, ...] = ()
     rope_scaling: RopeScaling | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -141,11 +147,16 @@ class ArchConfig:
             qkv_bias=attn_bias or model_type == "qwen2",
             o_bias=attn_bias and model_type != "qwen2",
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            **_moe_fields(model_type, cfg),
             rope_scaling=scaling,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether ``layer``'s feed-forward is a mixture of experts."""
+        return layer in self.sparse_layers
 
     @classmethod
     def from_gguf(cls, meta: Mapping[str, Any], *, has_output_tensor: bool,
@@ -189,3 +200,24 @@ class ArchConfig:
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=() if eos is None else (int(eos),),
         )
+
+
+def _moe_fields(model_type: str, cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """MoE hyper-parameters of an HF config: Mixtral (every layer sparse, always renormalized)
+    and Qwen3-MoE (``decoder_sparse_step``, ``mlp_only_layers``, ``norm_topk_prob``)."""
+    layers = int(cfg["num_hidden_layers"])
+    if model_type == "mixtral":
+        return dict(num_experts=int(cfg["num_local_experts"]),
+                    num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+                    moe_intermediate_size=int(cfg["intermediate_size"]), moe_renormalize=True,
+                    sparse_layers=tuple(range(layers)))
+    if model_type == "qwen3_moe":
+        step = int(cfg.get("decoder_sparse_step", 1))
+        dense = set(cfg.get("mlp_only_layers") or ())
+        return dict(num_experts=int(cfg.get("num_experts") or cfg["num_local_experts"]),
+                    num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+                    moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+                    moe_renormalize=bool(cfg.get("norm_topk_prob", False)),
+                    sparse_layers=tuple(i for i in range(layers) if i not in dense
+                                        and step > 0 and (i + 1) % step == 0))
+    return {}

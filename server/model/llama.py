@@ -1,6 +1,7 @@
 """Llama-family decoder: Llama 2/3 (incl. llama3 RoPE scaling), SmolLM2 (tied embeddings),
 Qwen2 (QKV bias), Qwen3 (per-head RMSNorm of queries and keys before RoPE), Phi-3/Phi-4 (fused
-qkv and gate_up in the checkpoint, LongRoPE), Mistral (full attention).
+qkv and gate_up in the checkpoint, LongRoPE), Mistral (full attention), and the
+mixture-of-experts Mixtral and Qwen3-MoE (:mod:`server.model.moe`).
 
 Batched over a flat token dimension: the forward pass takes [T] token ids and positions of any
 mix of sequences and leaves per-sequence structure to the attention backend, which reads and
@@ -20,6 +21,7 @@ from torch import nn
 from kernels.base import AttentionBackend
 from server.model.compiled import attention
 from server.model.config import ArchConfig
+from server.model.moe import SparseMoE, expert_target
 from server.model.quantization import QuantEmbedding, QuantizedWeight
 from server.model.weight_loading import QuantReport, WeightLoadError, load_weights
 
@@ -59,9 +61,15 @@ class DecoderLayer(nn.Module):
         q_size, kv_size = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
         self.qkv_proj = nn.Linear(arch.hidden_size, q_size + 2 * kv_size, bias=arch.qkv_bias)
         self.o_proj = nn.Linear(q_size, arch.hidden_size, bias=arch.o_bias)
-        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size,
-                                      bias=arch.mlp_bias)
-        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
+        self.moe = None
+        if arch.is_sparse(layer_id):
+            self.moe = SparseMoE(arch.hidden_size, arch.moe_intermediate_size, arch.num_experts,
+                                 arch.num_experts_per_tok, arch.moe_renormalize)
+        else:
+            self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size,
+                                          bias=arch.mlp_bias)
+            self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size,
+                                       bias=arch.mlp_bias)
         self.input_layernorm = nn.Parameter(torch.ones(arch.hidden_size))
         self.post_attention_layernorm = nn.Parameter(torch.ones(arch.hidden_size))
         self.split = (q_size, kv_size, kv_size)
@@ -91,6 +99,8 @@ class DecoderLayer(nn.Module):
         o = attention(attn, attn_id, self.layer_id, q, k, v, self.scale)
         x = x + self.o_proj(o.reshape(t, -1))
         h = attn.rms_norm(x, self.post_attention_layernorm, self.eps)
+        if self.moe is not None:
+            return x + self.moe(h)
         gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
         return x + self.down_proj(F.silu(gate) * up)
 
@@ -165,6 +175,11 @@ class LlamaForCausalLM(nn.Module):
             module, kind = rest.rsplit(".", 1)
             if module in _RENAMED:
                 return f"layers.{idx}.{_RENAMED[module]}", 0, None
+            if module in ("block_sparse_moe.gate", "mlp.gate") and a.is_sparse(int(idx)):
+                return f"layers.{idx}.moe.gate.{kind}", 0, None  # the router
+            expert = expert_target(int(idx), rest, a.moe_intermediate_size, a.hidden_size)
+            if expert is not None:
+                return expert
             if module in _PRE_FUSED:  # Phi-3 checkpoints store them fused, in our order
                 return f"layers.{idx}.{_PRE_FUSED[module]}.{kind}", 0, None
             fused = _FUSED.get(module)

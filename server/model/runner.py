@@ -73,8 +73,10 @@ class ModelRunner:
             self._attn_id = register_backend(self.attention)
             self._hidden = compile_forward(self._compiled_hidden, compile_cache_dir)
         self.graphs: CudaGraphRunner | None = None
+        # MoE layers read their per-expert token counts on the host: not capturable.
         if (self.device.type == "cuda" and cuda_graph_max_bs > 0 and req_to_token is not None
-                and getattr(self.attention, "supports_cuda_graph", False)):
+                and getattr(self.attention, "supports_cuda_graph", False)
+                and not arch.sparse_layers):
             model, attention = self.model, self.attention  # no reference back to the runner
 
             def decode_logits(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,8 @@ from server.model.loader import load_model
 from server.model.runner import ModelRunner
 from tests.helpers import hf_logits
 
-FAMILIES = ["llama", "llama3", "tied", "qwen2", "qwen3", "phi3", "mistral"]
+FAMILIES = ["llama", "llama3", "tied", "qwen2", "qwen3", "phi3", "mistral", "mixtral",
+            "qwen3_moe"]
 TOL = 1e-4
 
 
