@@ -113,6 +113,22 @@ def test_a_row_draws_the_same_with_or_without_sorting_neighbours():
     assert alone == mixed and len(set(alone)) > 1
 
 
+@pytest.mark.parametrize("params", [dict(top_p=0.9), dict(top_k=50), dict(top_p=0.5, min_p=0.05),
+                                    dict(top_p=0.999999)])
+def test_ranked_rows_look_at_the_head_only_when_that_is_exact(monkeypatch, params):
+    """top-k / top-p rows rank only the 1024 most likely ids when the kept set must lie
+    inside them, else sort everything; both give the same kept probabilities."""
+    from server.model import sampling
+
+    logits = _logits(3, vocab=8000, seed=7) / 3  # flat: top-p 0.999999 needs the full sort
+    states = [_state(SamplingParams(temperature=0.8, **params)) for _ in range(3)]
+    head = sampling._kept_ranked(logits, states)
+    monkeypatch.setattr(sampling, "RANK_HEAD", 10**9)  # always the full sort
+    full = sampling._kept_ranked(logits, states)
+    torch.testing.assert_close(head, full, atol=1e-6, rtol=0)
+    assert (head.diff(dim=-1) > 0).sum() < 8000 * 3  # something was dropped
+
+
 def test_top_k_top_p_restrict_support():
     logits = torch.tensor([[5.0, 4.0, 3.0, -10.0, -10.0]])
     s = Sampler(0)
