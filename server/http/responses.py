@@ -26,13 +26,21 @@ def manager_of(request: Request) -> TokenizerManager:
     return request.app.state.manager
 
 
+_CODES = {400: "invalid_request", 401: "invalid_api_key", 404: "not_found",
+          413: "request_too_large", 415: "unsupported_media_type", 503: "unavailable"}
+
+
+def error_body(status: int, message: str, type: str = "invalid_request_error",
+               param: str | None = None) -> dict[str, Any]:
+    """The OpenAI error object, for a JSON response or an SSE error event."""
+    return {"error": {"message": message, "type": type, "param": param,
+                      "code": _CODES.get(status, str(status))}}
+
+
 def error_response(status: int, message: str, type: str = "invalid_request_error",
                    param: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
-    code = {400: "invalid_request", 401: "invalid_api_key", 404: "not_found",
-            413: "request_too_large", 415: "unsupported_media_type", 503: "unavailable"}
-    return JSONResponse({"error": {"message": message, "type": type, "param": param,
-                                   "code": code.get(status, str(status))}},
-                        status_code=status, headers=headers)
+    return JSONResponse(error_body(status, message, type, param), status_code=status,
+                        headers=headers)
 
 
 def api_error_response(exc: ApiError) -> JSONResponse:
@@ -54,9 +62,20 @@ def check_finish(out: P.ReqOutput) -> None:
                        type="server_error")
 
 
-def error_body(exc: ApiError) -> dict[str, Any]:
-    return {"error": {"message": exc.message, "type": exc.type, "param": exc.param,
-                      "code": str(exc.status)}}
+async def _wait_all(request: Request, tasks: Sequence[asyncio.Future]) -> None:
+    """Until every task is done, polling for a client disconnect (CancelledError) every
+    DISCONNECT_POLL_S seconds; the first task to fail re-raises its exception. The caller
+    cancels what is left."""
+    while True:
+        done, pending = await asyncio.wait(tasks, timeout=DISCONNECT_POLL_S,
+                                           return_when=asyncio.FIRST_EXCEPTION)
+        failed = [t for t in done if t.exception() is not None]
+        if failed:
+            raise failed[0].exception()
+        if not pending:
+            return
+        if await request.is_disconnected():
+            raise asyncio.CancelledError("client disconnected")
 
 
 async def start_streams(request: Request, streams: Sequence[AsyncIterator[P.ReqOutput]]
@@ -68,16 +87,7 @@ async def start_streams(request: Request, streams: Sequence[AsyncIterator[P.ReqO
     CancelledError when the client disconnects meanwhile."""
     firsts = [asyncio.ensure_future(s.__anext__()) for s in streams]
     try:
-        while True:
-            done, pending = await asyncio.wait(firsts, timeout=DISCONNECT_POLL_S,
-                                               return_when=asyncio.FIRST_EXCEPTION)
-            failed = [t for t in done if t.exception() is not None]
-            if failed:
-                raise failed[0].exception()
-            if not pending:
-                break
-            if await request.is_disconnected():
-                raise asyncio.CancelledError("client disconnected")
+        await _wait_all(request, firsts)
     except BaseException:
         for t in firsts:
             t.cancel()
@@ -104,7 +114,7 @@ async def guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
         async for event in events:
             yield event
     except ApiError as exc:
-        yield sse(error_body(exc))
+        yield sse(error_body(exc.status, exc.message, exc.type, exc.param))
         yield SSE_DONE
 
 
@@ -120,16 +130,8 @@ async def collect(request: Request, streams: Sequence[AsyncIterator[P.ReqOutput]
 
     tasks = [asyncio.ensure_future(drain(s)) for s in streams]
     try:
-        while True:
-            done, pending = await asyncio.wait(tasks, timeout=DISCONNECT_POLL_S,
-                                               return_when=asyncio.FIRST_EXCEPTION)
-            failed = [t for t in done if t.exception() is not None]
-            if failed:
-                raise failed[0].exception()
-            if not pending:
-                return [t.result() for t in tasks]
-            if await request.is_disconnected():
-                raise asyncio.CancelledError("client disconnected")
+        await _wait_all(request, tasks)
+        return [t.result() for t in tasks]
     finally:
         for t in tasks:
             if not t.done():
