@@ -109,6 +109,13 @@ class CacheManager:
         self.req_table.write(req.row, req.alloc_len, slots)
         req.alloc_len += slots.numel()
 
+    def extend_rows_by_one(self, reqs: list["Req"], slots: torch.Tensor) -> None:
+        """:meth:`extend_row` with one slot for each request (a decode step), in one table
+        write. slots: [len(reqs)] int64."""
+        self.req_table.write_one_each([r.row for r in reqs], [r.alloc_len for r in reqs], slots)
+        for r in reqs:
+            r.alloc_len += 1
+
     def truncate_alloc(self, req: "Req") -> None:
         """Free the slots of positions [computed_len, alloc_len) (e.g. rejected drafts)."""
         if req.alloc_len > req.computed_len:

@@ -49,6 +49,17 @@ class ReqToTokenTable:
             src = self.host[row, start:end].pin_memory()
             self.table[row, start:end].copy_(src, non_blocking=True)
 
+    def write_one_each(self, rows: list[int], cols: list[int], slots: torch.Tensor) -> None:
+        """Set ``table[rows[i], cols[i]] = slots[i]`` for every i (a decode step: one new slot
+        per request), with one transfer for the whole batch on a GPU. slots: [B] int64."""
+        r = torch.tensor(rows, dtype=torch.int64)
+        c = torch.tensor(cols, dtype=torch.int64)
+        self.host[r, c] = slots
+        if self.host is not self.table:
+            packed = torch.stack((r, c, slots.to(torch.int64).cpu())).pin_memory()
+            packed = packed.to(self.table.device, non_blocking=True)
+            self.table[packed[0], packed[1]] = packed[2]
+
     def read(self, row: int, start: int, end: int) -> torch.Tensor:
         """Slots of positions [start, end) of ``row`` ([end - start] int64, on the host; a
         view: clone it to keep it past the next write)."""

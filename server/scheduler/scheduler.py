@@ -301,8 +301,7 @@ class Scheduler:
             return None
         reqs = list(self.running)
         slots = self.cache.alloc(len(reqs))
-        for req, slot in zip(reqs, slots):
-            self.cache.extend_row(req, slot.view(1))
+        self.cache.extend_rows_by_one(reqs, slots)
         self._plan = _Plan(reqs, [[r.computed_len] for r in reqs])
         return ForwardBatch(
             mode=ForwardMode.DECODE, req_ids=[r.rid for r in reqs],

@@ -42,3 +42,15 @@ def test_req_table_rows():
     assert t.read(r1, 3, 5).tolist() == [7, 8]
     t.free_row(r0)
     assert t.alloc_row() == r0
+
+
+def test_request_table_writes_one_slot_per_row_in_one_call():
+    """A decode step's table write: row i, column cols[i] = slots[i]; reads come from the host
+    copy (the same tensor on CPU)."""
+    from server.cache.req_table import ReqToTokenTable
+
+    t = ReqToTokenTable(4, 8)
+    t.write(1, 0, torch.tensor([5, 6, 7]))
+    t.write_one_each([1, 3], [3, 0], torch.tensor([9, 11]))
+    assert t.read(1, 0, 4).tolist() == [5, 6, 7, 9] and t.read(3, 0, 1).tolist() == [11]
+    assert t.host is t.table
