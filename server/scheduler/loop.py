@@ -29,6 +29,7 @@ from server.scheduler.validation import InvalidRequestError
 
 log = logging.getLogger("server.scheduler")
 
+_REFUSED = (InvalidRequestError, SamplingParamsError, GrammarError)  # answered with ReqError
 IDLE_POLL_MS = 50
 COMPILE_POLL_MS = 5  # idle poll while grammars compile
 INVARIANT_CHECK_EVERY = 64  # steps
@@ -87,24 +88,24 @@ class SchedulerLoop:
                 if not future.done():
                     self.compiling[msg.rid] = (msg, params, future, time.monotonic())
                     return
-            self._admit(msg, params)
-        except (InvalidRequestError, SamplingParamsError, GrammarError) as exc:
-            self.send.send(P.encode(P.ReqError(msg.rid, str(exc), getattr(exc, "param", None))))
+        except _REFUSED as exc:
+            return self._refuse(msg.rid, exc)
+        self._admit(msg, params)
 
     def _admit_compiled(self) -> None:
         """Admit parked requests whose grammar compiled; refuse those whose compile failed or
         ran over the budget (the compile itself is left to finish and be cached)."""
         now = time.monotonic()
         for rid, (msg, params, future, since) in list(self.compiling.items()):
-            over = now - since > COMPILE_TIMEOUT_S
-            if not (future.done() or over):
+            if not (future.done() or now - since > COMPILE_TIMEOUT_S):
                 continue
             del self.compiling[rid]
             try:
                 GrammarCompiler.result(future, params.grammar, timeout=0)
-                self._admit(msg, params)
-            except (InvalidRequestError, SamplingParamsError, GrammarError) as exc:
-                self.send.send(P.encode(P.ReqError(rid, str(exc), getattr(exc, "param", None))))
+            except GrammarError as exc:
+                self._refuse(rid, exc)
+                continue
+            self._admit(msg, params)
 
     def _admit(self, msg: P.GenerateReq, params: SamplingParams) -> None:
         try:
@@ -113,10 +114,12 @@ class SchedulerLoop:
                                                       msg.top_logprobs_num),
                 rid=msg.rid, cache_salt=msg.namespace)
             self.engine.scheduler.add_request(req)
-        except (InvalidRequestError, SamplingParamsError, GrammarError) as exc:
-            self.send.send(P.encode(P.ReqError(msg.rid, str(exc), getattr(exc, "param", None))))
-            return
+        except _REFUSED as exc:
+            return self._refuse(msg.rid, exc)
         self.live[msg.rid] = (req, _Sent())
+
+    def _refuse(self, rid: str, exc: Exception) -> None:
+        self.send.send(P.encode(P.ReqError(rid, str(exc), getattr(exc, "param", None))))
 
     def _drain(self, block: bool) -> None:
         if block and not self.recv.poll(COMPILE_POLL_MS if self.compiling else IDLE_POLL_MS):
