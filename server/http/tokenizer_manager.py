@@ -276,8 +276,9 @@ _MERGED_LISTS = ("new_token_ids", "output_token_logprobs", "output_top_logprobs"
 def coalesce(pending: collections.deque) -> Any:
     """Take the next message from ``pending``, merging a run of outputs into one: when the
     handler falls behind the scheduler (a slow client, a busy event loop), several steps go out
-    as one chunk. Text and counters are cumulative (the last wins), token and logprob lists are
-    concatenated; an error is never merged (it is taken by the next call)."""
+    as one chunk. Counters are cumulative (the last wins), token and logprob lists are
+    concatenated (text is filled in afterwards, from the merged ids); an error is never merged
+    (it is taken by the next call)."""
     item = pending.popleft()
     if not isinstance(item, P.ReqOutput) or item.finish_reason is not None:
         return item
