@@ -87,11 +87,14 @@ async def serve(engine_config: EngineConfig, http: HTTPConfig) -> int:
         async def watch() -> None:
             while not server.started:
                 await asyncio.sleep(0.05)
-            print(f"sgl-adapters server ready: http://{http.host}:{http.port} "
-                  f"(model {ready.model_name}, {ready.dtype} on {ready.device}, "
-                  f"{ready.attention_backend} attention, weights {ready.quantization}"
-                  f"{', torch.compile' if ready.compiled else ''}, KV pool "
-                  f"{ready.max_total_tokens} tokens)", flush=True)
+            try:
+                print(f"sgl-adapters server ready: http://{http.host}:{http.port} "
+                      f"(model {ready.model_name}, {ready.dtype} on {ready.device}, "
+                      f"{ready.attention_backend} attention, weights {ready.quantization}"
+                      f"{', torch.compile' if ready.compiled else ''}, KV pool "
+                      f"{ready.max_total_tokens} tokens)", flush=True)
+            except OSError:  # stdout is a pipe whose reader (the launcher) is already gone:
+                pass  # /health answered before this line, so it may have died; watch on
             while proc.is_alive():
                 await asyncio.sleep(0.2)
                 if http.parent_pid is not None and os.getppid() != http.parent_pid:
