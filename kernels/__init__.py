@@ -42,9 +42,10 @@ def triton_interpret() -> bool:
 
 
 def unavailable_reason(name: str, device: torch.device, dtype: torch.dtype | None = None,
-                       head_dim: int | None = None) -> str | None:
+                       head_dim: int | None = None, windowed: bool = False) -> str | None:
     """Why backend ``name`` cannot run with KV buffers on ``device`` (of ``dtype`` and
-    ``head_dim`` when given); None when it can."""
+    ``head_dim`` when given, for a model with sliding-window layers or attention-logit
+    soft-capping when ``windowed``); None when it can."""
     if name == "reference":
         return None
     if name == "triton":
@@ -62,12 +63,15 @@ def unavailable_reason(name: str, device: torch.device, dtype: torch.dtype | Non
             return f"FlashInfer's kernels run float16/bfloat16, not {dtype}"
         if head_dim is not None and head_dim not in FLASHINFER_HEAD_DIMS:
             return f"FlashInfer's kernels are built for head_dim 64/128/256, not {head_dim}"
+        if windowed:
+            return ("sliding windows and logit soft-capping are not wired into the FlashInfer "
+                    "backend yet")
         return None
     return f"unknown attention backend {name!r}"
 
 
 def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtype | None = None,
-                              head_dim: int | None = None) -> str:
+                              head_dim: int | None = None, windowed: bool = False) -> str:
     """The concrete backend for ``name`` on ``device`` (for a KV ``dtype`` and ``head_dim``,
     when given). "auto": FlashInfer, else Triton, on a CUDA device where installed and able
     (FlashInfer: fp16/bf16, head_dim 64/128/256); the reference everywhere else (including CPU
@@ -78,22 +82,24 @@ def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtyp
     if name == "auto":
         if device.type == "cuda":
             for candidate in ("flashinfer", "triton"):
-                if unavailable_reason(candidate, device, dtype, head_dim) is None:
+                if unavailable_reason(candidate, device, dtype, head_dim, windowed) is None:
                     return candidate
         return "reference"
-    reason = unavailable_reason(name, device, dtype, head_dim)
+    reason = unavailable_reason(name, device, dtype, head_dim, windowed)
     if reason is not None:
         raise ValueError(f"attention backend {name!r} is unavailable: {reason}")
     return name
 
 
 def create_attention_backend(name: str, k_buffers: list[torch.Tensor],
-                             v_buffers: list[torch.Tensor]) -> AttentionBackend:
+                             v_buffers: list[torch.Tensor],
+                             windowed: bool = False) -> AttentionBackend:
     """Build attention backend ``name`` (see :func:`resolve_attention_backend`) over the pool's
-    per-layer buffers ([capacity, num_kv_heads, head_dim] each). Raises ValueError for an
-    unknown or unavailable backend."""
+    per-layer buffers ([capacity, num_kv_heads, head_dim] each); ``windowed``: the model calls
+    ``attend`` with sliding windows or soft-capping. Raises ValueError for an unknown or
+    unavailable backend."""
     name = resolve_attention_backend(name, k_buffers[0].device, k_buffers[0].dtype,
-                                     k_buffers[0].shape[-1])
+                                     k_buffers[0].shape[-1], windowed)
     if name == "triton":
         from kernels.triton import TritonAttention
 

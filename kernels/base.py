@@ -55,8 +55,13 @@ class AttentionBackend(Protocol):
     def store_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write new K/V ([T, num_kv_heads, head_dim]) into slots ``inputs.out_cache_loc``."""
 
-    def attend(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
-        """Causal attention of the new tokens over prefix + new KV; returns [T, H, D]."""
+    def attend(self, layer: int, q: torch.Tensor, scale: float, window: int = 0,
+               softcap: float = 0.0) -> torch.Tensor:
+        """Causal attention of the new tokens over prefix + new KV; returns [T, H, D].
+
+        ``window`` > 0: a token at position p sees only positions (p - window, p] (a
+        sliding-window layer). ``softcap`` > 0: scores become ``softcap * tanh(s / softcap)``
+        before the softmax (attention-logit soft-capping)."""
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm of x [T, H] (the backend's fused version, or the reference)."""

@@ -121,7 +121,11 @@ class FlashInferAttention:
                                **common)
         self._planned = True
 
-    def attend(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, scale: float, window: int = 0,
+               softcap: float = 0.0) -> torch.Tensor:
+        if window or softcap:  # create_attention_backend never picks this backend for them
+            raise NotImplementedError("sliding windows and logit soft-capping are not wired "
+                                      "into the FlashInfer backend (use triton)")
         if not self._planned:
             self._plan(q, scale)
         wrapper = self._graph or (self._decode if self.inputs.is_decode else self._prefill)

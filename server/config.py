@@ -201,7 +201,7 @@ def available_memory_bytes(device: str) -> int:
 
 def resolve(config: EngineConfig, *, kv_elements_per_token: int, model_context_length: int,
             available_bytes: int | None = None, cpu_native_bf16: bool = False,
-            head_dim: int | None = None) -> EngineConfig:
+            head_dim: int | None = None, windowed: bool = False) -> EngineConfig:
     """Return a copy of ``config`` with every "auto"/None value made concrete.
 
     Args:
@@ -210,6 +210,7 @@ def resolve(config: EngineConfig, *, kv_elements_per_token: int, model_context_l
         model_context_length: the model's own maximum sequence length in tokens.
         available_bytes: memory to size the pool from; None = measured on ``config.model.device``.
         head_dim: the model's attention head size (backends support only some; None = any).
+        windowed: the model has sliding-window layers or attention-logit soft-capping.
         cpu_native_bf16: the CPU has bf16 instructions (``kernels.cpu_has_native_bf16``); then
             "auto" picks bfloat16 on CPU too (measured 1.8-6x faster matmuls than float32).
 
@@ -234,7 +235,7 @@ def resolve(config: EngineConfig, *, kv_elements_per_token: int, model_context_l
         model = dataclasses.replace(model, dtype="bfloat16" if bf16 else "float32")
     try:
         backend = resolve_attention_backend(model.attention_backend, torch.device(model.device),
-                                            model.torch_dtype, head_dim)
+                                            model.torch_dtype, head_dim, windowed)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     model = dataclasses.replace(model, attention_backend=backend)

@@ -66,7 +66,7 @@ class Engine:
         self.config = resolve(config, kv_elements_per_token=loaded.arch.kv_elements_per_token,
                               model_context_length=loaded.arch.max_position_embeddings,
                               cpu_native_bf16=cpu_has_native_bf16(),
-                              head_dim=loaded.arch.head_dim)
+                              head_dim=loaded.arch.head_dim, windowed=loaded.arch.windowed)
         mc, cc, sc = self.config.model, self.config.cache, self.config.scheduler
         self.arch = loaded.arch
         self.tokenizer = loaded.tokenizer

@@ -14,6 +14,9 @@ TINY_VOCAB = 49152  # the default model's tokenizer vocabulary
 def tiny_config(kind: str = "llama", **overrides):
     """A 2-layer, hidden-64 config of the given family (transformers config object)."""
     from transformers import (
+        Gemma2Config,
+        Gemma3TextConfig,
+        GemmaConfig,
         LlamaConfig,
         MistralConfig,
         MixtralConfig,
@@ -59,6 +62,26 @@ def tiny_config(kind: str = "llama", **overrides):
         cfg = Qwen2Config(**common, use_sliding_window=False)
     elif kind == "mistral":
         cfg = MistralConfig(**common, sliding_window=None)
+    elif kind == "mistral_swa":  # every layer a 16-token sliding window
+        cfg = MistralConfig(**common, sliding_window=16)
+    elif kind == "gemma":  # GeGLU, (1 + w) norms, scaled embeddings, head_dim 32, MQA
+        common.update(head_dim=32, num_key_value_heads=1, tie_word_embeddings=True,
+                      pad_token_id=0)
+        cfg = GemmaConfig(**common)
+    elif kind == "gemma2":  # sandwich norms, soft-capping, layer 0 a 16-token window
+        common.update(head_dim=32, tie_word_embeddings=True, pad_token_id=0)
+        cfg = Gemma2Config(**common, sliding_window=16, query_pre_attn_scalar=48,
+                           attn_logit_softcapping=4.0, final_logit_softcapping=3.0)
+    elif kind == "gemma3":  # q/k norms; window layers 0, 1, 3 with their own RoPE base
+        common.update(head_dim=32, tie_word_embeddings=True, pad_token_id=0,
+                      num_hidden_layers=4)
+        cfg = Gemma3TextConfig(
+            **common, sliding_window=16, query_pre_attn_scalar=48,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                         "sliding_attention"],
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
     else:
         raise ValueError(kind)
     for k, v in overrides.items():

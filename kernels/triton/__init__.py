@@ -63,13 +63,15 @@ class TritonAttention:
     def store_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         fused.store_kv(k, v, self.k_buffers[layer], self.v_buffers[layer], self._loc)
 
-    def attend(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, scale: float, window: int = 0,
+               softcap: float = 0.0) -> torch.Tensor:
         k, v = self.k_buffers[layer], self.v_buffers[layer]
         if self.inputs.is_decode:
             return decode_attention(q, k, v, self.inputs.req_to_token, self._rows, self._seq,
-                                    scale)
+                                    scale, window=window, softcap=softcap)
         return extend_attention(q, k, v, self.inputs.req_to_token, self._rows, self._prefix,
-                                self._extend, self._starts, self._max_extend, scale)
+                                self._extend, self._starts, self._max_extend, scale,
+                                window=window, softcap=softcap)
 
 
 __all__ = ["TritonAttention", "decode_attention", "extend_attention", "fused"]

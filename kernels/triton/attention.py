@@ -12,6 +12,9 @@ split-KV reduction).
   KV head (GQA group), so each K/V row is loaded once per group, not once per query head.
 * :func:`extend_attention`: grid (batch, q_heads, query blocks). Query i of a sequence with
   prefix p attends to positions [0, p + i] (causal over the new tokens, full over the prefix).
+* Sliding-window layers (``window`` W: positions (p - W, p]) start their KV loop at the
+  window, so they read O(W) K/V rows, not the whole sequence; attention-logit soft-capping
+  (Gemma 2) is applied to the scores before the mask.
 
 Scores and the softmax are float32 whatever the KV dtype; fp16/bf16 operands go to ``tl.dot``
 with float32 accumulation, fp32 operands use IEEE precision (no TF32). Under
@@ -28,17 +31,19 @@ from kernels import triton_interpret
 
 
 @triton.jit
-def _attend_rows(q, q_pos, K, V, req_to_token, row, kv_head, end, scale,
+def _attend_rows(q, q_pos, K, V, req_to_token, row, kv_head, lo, end, scale, window, softcap,
                  stride_kc, stride_kh, stride_vc, stride_vh, stride_r2t, offs_d, d_mask,
                  ROWS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                 PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """Online softmax of query rows q [ROWS, BLOCK_D] over KV positions [0, end) of request
-    table row ``row``; query r sees positions <= q_pos[r]. Returns [ROWS, BLOCK_D] float32
-    (zeros for rows that see nothing)."""
+                 PRECISION: tl.constexpr, UPCAST: tl.constexpr, WINDOWED: tl.constexpr,
+                 SOFTCAP: tl.constexpr):
+    """Online softmax of query rows q [ROWS, BLOCK_D] over KV positions [lo, end) of request
+    table row ``row``; query r sees positions <= q_pos[r] (and > q_pos[r] - window when
+    WINDOWED). With SOFTCAP scores are capped to ``softcap * tanh(s / softcap)``. Returns
+    [ROWS, BLOCK_D] float32 (zeros for rows that see nothing)."""
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
-    for start in range(0, end, BLOCK_N):
+    for start in range(lo, end, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
         slots = tl.load(req_to_token + row * stride_r2t + offs_n, mask=n_mask, other=0)
@@ -49,11 +54,18 @@ def _attend_rows(q, q_pos, K, V, req_to_token, row, kv_head, end, scale,
         if UPCAST:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [ROWS, BLOCK_N]
+        if SOFTCAP:  # tanh(x) = 2 sigmoid(2x) - 1 (no tanh in triton.language)
+            s = softcap * (2.0 * tl.sigmoid(s * (2.0 / softcap)) - 1.0)
         visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        if WINDOWED:
+            visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
+        # A row that has seen nothing yet (a window starting past this block) keeps m = -inf;
+        # subtracting 0 instead keeps exp() at 0 rather than NaN (-inf - -inf).
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V + slots[:, None] * stride_vc + kv_head * stride_vh + offs_d[None, :],
                     mask=kv_mask, other=0.0)
@@ -65,12 +77,12 @@ def _attend_rows(q, q_pos, K, V, req_to_token, row, kv_head, end, scale,
 
 
 @triton.jit
-def _decode_kernel(Q, K, V, Out, req_to_token, req_rows, seq_lens, scale,
+def _decode_kernel(Q, K, V, Out, req_to_token, req_rows, seq_lens, scale, window, softcap,
                    stride_qt, stride_qh, stride_kc, stride_kh, stride_vc, stride_vh,
                    stride_ot, stride_oh, stride_r2t,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                   UPCAST: tl.constexpr):
+                   UPCAST: tl.constexpr, WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     row = tl.load(req_rows + b).to(tl.int64)
@@ -85,20 +97,23 @@ def _decode_kernel(Q, K, V, Out, req_to_token, req_rows, seq_lens, scale,
     if UPCAST:
         q = q.to(tl.float32)
     q_pos = tl.full([BLOCK_H], 0, tl.int32) + length - 1  # the new token sees everything
-    out = _attend_rows(q, q_pos, K, V, req_to_token, row, kv_head, length, scale,
-                       stride_kc, stride_kh, stride_vc, stride_vh, stride_r2t, offs_d, d_mask,
-                       BLOCK_H, BLOCK_D, BLOCK_N, PRECISION, UPCAST)
+    lo = 0  # ... or, in a window layer, its last ``window`` positions
+    if WINDOWED:
+        lo = tl.maximum(length - window, 0)
+    out = _attend_rows(q, q_pos, K, V, req_to_token, row, kv_head, lo, length, scale, window,
+                       softcap, stride_kc, stride_kh, stride_vc, stride_vh, stride_r2t, offs_d,
+                       d_mask, BLOCK_H, BLOCK_D, BLOCK_N, PRECISION, UPCAST, WINDOWED, SOFTCAP)
     tl.store(Out + b * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
              out.to(Out.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
 
 
 @triton.jit
 def _extend_kernel(Q, K, V, Out, req_to_token, req_rows, prefix_lens, extend_lens, q_starts, scale,
-                   stride_qt, stride_qh, stride_kc, stride_kh, stride_vc, stride_vh,
-                   stride_ot, stride_oh, stride_r2t,
+                   window, softcap, stride_qt, stride_qh, stride_kc, stride_kh, stride_vc,
+                   stride_vh, stride_ot, stride_oh, stride_r2t,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                   UPCAST: tl.constexpr):
+                   UPCAST: tl.constexpr, WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr):
     b = tl.program_id(0)
     head = tl.program_id(1)
     block = tl.program_id(2)
@@ -117,9 +132,13 @@ def _extend_kernel(Q, K, V, Out, req_to_token, req_rows, prefix_lens, extend_len
         q = q.to(tl.float32)
     # Last KV position any query of this block may see; 0 (no iterations) for an empty block.
     end = tl.where(block * BLOCK_M < n_new, prefix + tl.minimum(n_new, (block + 1) * BLOCK_M), 0)
-    out = _attend_rows(q, prefix + offs_m, K, V, req_to_token, row, kv_head, end, scale,
-                       stride_kc, stride_kh, stride_vc, stride_vh, stride_r2t, offs_d, d_mask,
-                       BLOCK_M, BLOCK_D, BLOCK_N, PRECISION, UPCAST)
+    lo = 0  # first KV position the block's first query sees
+    if WINDOWED:
+        lo = tl.maximum(prefix + block * BLOCK_M - window + 1, 0)
+    out = _attend_rows(q, prefix + offs_m, K, V, req_to_token, row, kv_head, lo, end, scale,
+                       window, softcap, stride_kc, stride_kh, stride_vc, stride_vh, stride_r2t,
+                       offs_d, d_mask, BLOCK_M, BLOCK_D, BLOCK_N, PRECISION, UPCAST, WINDOWED,
+                       SOFTCAP)
     tl.store(Out + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
              out.to(Out.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
@@ -145,8 +164,10 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tup
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      req_to_token: torch.Tensor, req_rows: torch.Tensor, seq_lens: torch.Tensor,
-                     scale: float, block_n: int = 64) -> torch.Tensor:
-    """One new token per sequence over its whole KV.
+                     scale: float, block_n: int = 64, window: int = 0,
+                     softcap: float = 0.0) -> torch.Tensor:
+    """One new token per sequence over its whole KV (its last ``window`` positions when
+    ``window`` > 0; scores soft-capped as ``softcap * tanh(s / softcap)`` when ``softcap`` > 0).
 
     Args:
         q: [B, Hq, D] fp16/bf16/fp32.
@@ -159,20 +180,24 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     group, d = _check(q, k_cache, v_cache)
     out = torch.empty_like(q)
     _decode_kernel[(q.shape[0], k_cache.shape[1])](
-        q, k_cache, v_cache, out, req_to_token, req_rows, seq_lens, scale,
+        q, k_cache, v_cache, out, req_to_token, req_rows, seq_lens, scale, window, softcap,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
         req_to_token.stride(0),
         GROUP=group, HEAD_DIM=d, BLOCK_H=max(16, triton.next_power_of_2(group)),
-        BLOCK_D=triton.next_power_of_2(d), BLOCK_N=block_n, **_precision(q.dtype))
+        BLOCK_D=triton.next_power_of_2(d), BLOCK_N=block_n, WINDOWED=window > 0,
+        SOFTCAP=softcap > 0, **_precision(q.dtype))
     return out
 
 
 def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      req_to_token: torch.Tensor, req_rows: torch.Tensor, prefix_lens: torch.Tensor,
                      extend_lens: torch.Tensor, q_starts: torch.Tensor, max_extend: int,
-                     scale: float, block_m: int = 32, block_n: int = 32) -> torch.Tensor:
-    """New tokens (any number per sequence) over the cached prefix and causally each other.
+                     scale: float, block_m: int = 32, block_n: int = 32, window: int = 0,
+                     softcap: float = 0.0) -> torch.Tensor:
+    """New tokens (any number per sequence) over the cached prefix and causally each other;
+    ``window`` and ``softcap`` as in :func:`decode_attention` (a window layer's query blocks
+    start reading at their first query's window).
 
     Args:
         q: [T, Hq, D], the sequences' new tokens back to back (T = sum(extend_lens)).
@@ -188,9 +213,9 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     grid = (prefix_lens.shape[0], q.shape[1], triton.cdiv(max(max_extend, 1), block_m))
     _extend_kernel[grid](
         q, k_cache, v_cache, out, req_to_token, req_rows, prefix_lens, extend_lens, q_starts,
-        scale, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        scale, window, softcap, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
         req_to_token.stride(0),
         GROUP=group, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_D=triton.next_power_of_2(d),
-        BLOCK_N=block_n, **_precision(q.dtype))
+        BLOCK_N=block_n, WINDOWED=window > 0, SOFTCAP=softcap > 0, **_precision(q.dtype))
     return out

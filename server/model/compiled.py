@@ -48,27 +48,29 @@ def unregister_backend(key: int) -> None:
 
 @torch.library.custom_op("sgl::attention", mutates_args=())
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: int, layer: int,
-                  scale: float) -> torch.Tensor:
+                  scale: float, window: int, softcap: float) -> torch.Tensor:
     attn = _backends[backend]
     attn.store_kv(layer, k, v)
-    return attn.attend(layer, q, scale)
+    return attn.attend(layer, q, scale, window, softcap)
 
 
 @_attention_op.register_fake
-def _(q, k, v, backend, layer, scale):
+def _(q, k, v, backend, layer, scale, window, softcap):
     return torch.empty_like(q)
 
 
 def attention(attn: AttentionBackend, backend_id: int | None, layer: int, q: torch.Tensor,
-              k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+              k: torch.Tensor, v: torch.Tensor, scale: float, window: int = 0,
+              softcap: float = 0.0) -> torch.Tensor:
     """Store the new K/V ([T, Hkv, D]) and attend with q [T, Hq, D]; returns [T, Hq, D].
+    ``window``, ``softcap``: see :meth:`kernels.base.AttentionBackend.attend`.
 
     Eager calls go straight to the backend; under torch.compile (``backend_id`` set) through
     the opaque custom op."""
     if backend_id is not None and torch.compiler.is_compiling():
-        return _attention_op(q, k, v, backend_id, layer, scale)
+        return _attention_op(q, k, v, backend_id, layer, scale, window, softcap)
     attn.store_kv(layer, k, v)
-    return attn.attend(layer, q, scale)
+    return attn.attend(layer, q, scale, window, softcap)
 
 
 def compile_forward(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],

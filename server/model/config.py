@@ -1,8 +1,10 @@
 """Model hyper-parameters of a Llama-family decoder, read from HF ``config.json`` or GGUF metadata.
 
 One frozen :class:`ArchConfig` describes Llama 2/3 (incl. llama3 RoPE scaling), SmolLM2 (tied
-embeddings), Qwen2 (QKV bias), Qwen3 (q/k norm), Phi-3/Phi-4 (fused checkpoints, LongRoPE) and
-Mistral (no sliding window) models; :mod:`server.model.llama` needs nothing else.
+embeddings), Qwen2 (QKV bias), Qwen3 (q/k norm), Phi-3/Phi-4 (fused checkpoints, LongRoPE),
+Mistral, Gemma 1/2/3 (GeGLU, (1 + w) norms, sandwich norms, soft-capping, interleaved
+sliding-window layers, Gemma 3's local RoPE base) and the MoE Mixtral and Qwen3-MoE models;
+:mod:`server.model.llama` needs nothing else.
 
 Errors: an unsupported architecture or option raises :class:`UnsupportedModelError`.
 """
@@ -13,8 +15,12 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe")
-GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")  # name mapping checked for these
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe",
+                         "gemma", "gemma2", "gemma3_text", "gemma3")
+GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text", "gemma3")
+# name mapping checked for these (tests/model/test_gguf_families.py)
+GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3")
+ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")
 
 
 class UnsupportedModelError(ValueError):
@@ -66,11 +72,43 @@ class ArchConfig:
     rope_scaling: RopeScaling | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Gemma: gated MLP activation, embeddings scaled by sqrt(hidden), norms applied as
+    # (norm_offset + w) (HF stores w, GGUF stores 1 + w), sandwich norms around attention and
+    # the MLP, query scale query_pre_attn_scalar ** -0.5, tanh soft-capping of attention
+    # scores and final logits (0 = off).
+    hidden_act: str = "silu"
+    embed_scale: float = 1.0
+    norm_offset: float = 0.0
+    sandwich_norms: bool = False
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcap: float = 0.0
+    final_logit_softcap: float = 0.0
+    # Sliding-window attention: per-layer window in tokens (0 = full attention; () = all full);
+    # window layers use RoPE base local_rope_theta when set (Gemma 3), without rope_scaling.
+    layer_windows: tuple[int, ...] = ()
+    local_rope_theta: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise UnsupportedModelError(
                 f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if self.hidden_act not in ACTIVATIONS:
+            raise UnsupportedModelError(
+                f"activation {self.hidden_act!r} is not supported (supported: {ACTIVATIONS})")
+
+    def window(self, layer: int) -> int:
+        """Attention window of ``layer`` in tokens (0 = full attention)."""
+        return self.layer_windows[layer] if self.layer_windows else 0
+
+    @property
+    def windowed(self) -> bool:
+        """The model has sliding-window layers or soft-capped attention scores."""
+        return any(self.layer_windows) or self.attn_logit_softcap > 0
+
+    @property
+    def attention_scale(self) -> float:
+        """Softmax scale of the attention scores."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
     def kv_elements_per_token(self) -> int:
@@ -82,18 +120,18 @@ class ArchConfig:
         """Parse an HF ``config.json`` dict (transformers 4.x ``rope_scaling`` or 5.x
         ``rope_parameters`` layouts)."""
         model_type = cfg.get("model_type", "llama")
+        if model_type == "gemma3" and "text_config" in cfg:  # the text model of Gemma 3 VLMs
+            cfg = {**cfg["text_config"], "model_type": "gemma3"}
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(
                 f"model_type {model_type!r} is not supported (supported: {SUPPORTED_MODEL_TYPES})")
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise UnsupportedModelError(f"hidden_act {cfg.get('hidden_act')!r} (only silu)")
         max_pos = int(cfg.get("max_position_embeddings", 4096))
-        window = cfg.get("sliding_window")
-        if window is not None and cfg.get("use_sliding_window", model_type == "mistral") \
-                and window < max_pos:
-            raise UnsupportedModelError(
-                f"sliding-window attention (window {window} < context {max_pos}) is not supported")
         rope = dict(cfg.get("rope_parameters") or {})
+        local_theta = cfg.get("rope_local_base_freq")
+        if "full_attention" in rope:  # transformers 5: RoPE per layer type (Gemma 3)
+            local = rope.get("sliding_attention") or {}
+            local_theta = local.get("rope_theta", local_theta)
+            rope = dict(rope["full_attention"] or {})
         legacy = cfg.get("rope_scaling") or {}
         rope = {**legacy, **rope}
         theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
@@ -147,11 +185,14 @@ class ArchConfig:
             qkv_bias=attn_bias or model_type == "qwen2",
             o_bias=attn_bias and model_type != "qwen2",
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", "gemma3"),
             **_moe_fields(model_type, cfg),
+            **_gemma_fields(model_type, cfg, hidden),
             rope_scaling=scaling,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            layer_windows=_layer_windows(model_type, cfg),
+            local_rope_theta=None if local_theta is None else float(local_theta),
         )
 
     def is_sparse(self, layer: int) -> bool:
@@ -221,3 +262,47 @@ def _moe_fields(model_type: str, cfg: Mapping[str, Any]) -> dict[str, Any]:
                     sparse_layers=tuple(i for i in range(layers) if i not in dense
                                         and step > 0 and (i + 1) % step == 0))
     return {}
+
+
+def _gemma_fields(model_type: str, cfg: Mapping[str, Any], hidden: int) -> dict[str, Any]:
+    """Activation and Gemma's constants of an HF config (HF ``modeling_gemma{,2,3}``)."""
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+    if model_type not in GEMMA_TYPES:
+        return dict(hidden_act=act)
+    if model_type == "gemma":  # HF GemmaMLP: tanh-approximate GELU whatever hidden_act says
+        act = "gelu_pytorch_tanh"
+    return dict(hidden_act=act, embed_scale=math.sqrt(hidden), norm_offset=1.0,
+                sandwich_norms=model_type != "gemma",
+                query_pre_attn_scalar=(float(cfg["query_pre_attn_scalar"])
+                                       if cfg.get("query_pre_attn_scalar") else None),
+                attn_logit_softcap=float(cfg.get("attn_logit_softcapping") or 0.0),
+                final_logit_softcap=float(cfg.get("final_logit_softcapping") or 0.0))
+
+
+def _layer_windows(model_type: str, cfg: Mapping[str, Any]) -> tuple[int, ...]:
+    """Per-layer attention window in tokens (0 = full), from ``layer_types`` (transformers 5)
+    or each family's older rule: Mistral (every layer), Qwen2/Qwen3 (``use_sliding_window``,
+    layers from ``max_window_layers`` on), Gemma 2 (even layers), Gemma 3 (all but every
+    ``sliding_window_pattern``-th). () when no layer has a window smaller than the context."""
+    window = cfg.get("sliding_window")
+    layers = int(cfg["num_hidden_layers"])
+    if not window or int(window) >= int(cfg.get("max_position_embeddings", 4096)):
+        return ()
+    if model_type.startswith("qwen") and not cfg.get("use_sliding_window", False):
+        return ()
+    types = cfg.get("layer_types")
+    if types:
+        sliding = [t == "sliding_attention" for t in types]
+    elif model_type == "gemma2":
+        sliding = [i % 2 == 0 for i in range(layers)]
+    elif model_type in ("gemma3_text", "gemma3"):
+        pattern = int(cfg.get("sliding_window_pattern", 6))
+        sliding = [(i + 1) % pattern != 0 for i in range(layers)]
+    elif model_type.startswith("qwen"):
+        first = int(cfg.get("max_window_layers", layers))
+        sliding = [i >= first for i in range(layers)]
+    elif model_type in ("mistral", "mixtral", "phi3"):
+        sliding = [True] * layers
+    else:
+        return ()
+    return tuple(int(window) if s else 0 for s in sliding) if any(sliding) else ()

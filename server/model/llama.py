@@ -1,7 +1,11 @@
 """Llama-family decoder: Llama 2/3 (incl. llama3 RoPE scaling), SmolLM2 (tied embeddings),
 Qwen2 (QKV bias), Qwen3 (per-head RMSNorm of queries and keys before RoPE), Phi-3/Phi-4 (fused
-qkv and gate_up in the checkpoint, LongRoPE), Mistral (full attention), and the
-mixture-of-experts Mixtral and Qwen3-MoE (:mod:`server.model.moe`).
+qkv and gate_up in the checkpoint, LongRoPE), Mistral (sliding window), the
+mixture-of-experts Mixtral and Qwen3-MoE (:mod:`server.model.moe`), and Gemma 1/2/3 (HF
+``modeling_gemma2``/``modeling_gemma3``: embeddings scaled by sqrt(hidden), (1 + w) RMSNorm
+folded into the weights at load, norms before and after attention and the MLP, GeGLU,
+query_pre_attn_scalar, tanh soft-capping of attention scores and final logits, interleaved
+sliding-window and global layers, Gemma 3's local RoPE base for the window layers).
 
 Batched over a flat token dimension: the forward pass takes [T] token ids and positions of any
 mix of sequences and leaves per-sequence structure to the attention backend, which reads and
@@ -11,7 +15,6 @@ each. Numerics follow HF transformers' ``modeling_llama`` (RMSNorm in float32, h
 
 from __future__ import annotations
 
-import math
 from typing import Iterable
 
 import torch
@@ -23,32 +26,13 @@ from server.model.compiled import attention
 from server.model.config import ArchConfig
 from server.model.moe import SparseMoE, expert_target
 from server.model.quantization import QuantEmbedding, QuantizedWeight
+from server.model.rope import rope_tables
 from server.model.weight_loading import QuantReport, WeightLoadError, load_weights
 
-__all__ = ["LlamaForCausalLM", "WeightLoadError", "rope_inv_freq"]
+__all__ = ["LlamaForCausalLM", "WeightLoadError"]
 
-
-def rope_inv_freq(arch: ArchConfig, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
-    """RoPE inverse frequencies [head_dim // 2] float32 (HF ``ROPE_INIT_FUNCTIONS``: default,
-    linear, llama3). ``freq_factors`` (GGUF ``rope_freqs``) divide them when given."""
-    d = arch.head_dim
-    inv = 1.0 / (arch.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-    s = arch.rope_scaling
-    if s is not None and s.rope_type == "linear":
-        inv = inv / s.factor
-    elif s is not None and s.rope_type == "llama3":
-        low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
-        high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
-        wavelen = 2 * math.pi / inv
-        scaled = torch.where(wavelen > low_wavelen, inv / s.factor, inv)
-        smooth = ((s.original_max_position_embeddings / wavelen - s.low_freq_factor)
-                  / (s.high_freq_factor - s.low_freq_factor))
-        smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
-        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        inv = torch.where(medium, smoothed, scaled)
-    if freq_factors is not None:
-        inv = inv / freq_factors.float()
-    return inv
+_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu,
+                "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
 class DecoderLayer(nn.Module):
@@ -72,8 +56,14 @@ class DecoderLayer(nn.Module):
                                        bias=arch.mlp_bias)
         self.input_layernorm = nn.Parameter(torch.ones(arch.hidden_size))
         self.post_attention_layernorm = nn.Parameter(torch.ones(arch.hidden_size))
+        if arch.sandwich_norms:  # Gemma 2/3: post_attention_layernorm normalizes attn output
+            self.pre_feedforward_layernorm = nn.Parameter(torch.ones(arch.hidden_size))
+            self.post_feedforward_layernorm = nn.Parameter(torch.ones(arch.hidden_size))
+        self.sandwich = arch.sandwich_norms
+        self.act = _ACTIVATIONS[arch.hidden_act]
         self.split = (q_size, kv_size, kv_size)
-        self.scale = arch.head_dim ** -0.5
+        self.scale = arch.attention_scale
+        self.window, self.softcap = arch.window(layer_id), arch.attn_logit_softcap
         if arch.qk_norm:  # Qwen3 (HF Qwen3Attention: q_norm / k_norm over head_dim)
             self.q_norm = nn.Parameter(torch.ones(arch.head_dim))
             self.k_norm = nn.Parameter(torch.ones(arch.head_dim))
@@ -96,13 +86,22 @@ class DecoderLayer(nn.Module):
         qk = attn.apply_rope(qk, cos, sin)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, q_size + kv_size:].view(t, self.num_kv_heads, self.head_dim)
-        o = attention(attn, attn_id, self.layer_id, q, k, v, self.scale)
-        x = x + self.o_proj(o.reshape(t, -1))
-        h = attn.rms_norm(x, self.post_attention_layernorm, self.eps)
+        o = attention(attn, attn_id, self.layer_id, q, k, v, self.scale, self.window,
+                      self.softcap)
+        o = self.o_proj(o.reshape(t, -1))
+        if self.sandwich:
+            x = x + attn.rms_norm(o, self.post_attention_layernorm, self.eps)
+            h = attn.rms_norm(x, self.pre_feedforward_layernorm, self.eps)
+        else:
+            x = x + o
+            h = attn.rms_norm(x, self.post_attention_layernorm, self.eps)
         if self.moe is not None:
             return x + self.moe(h)
         gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up)
+        out = self.down_proj(self.act(gate) * up)
+        if self.sandwich:
+            out = attn.rms_norm(out, self.post_feedforward_layernorm, self.eps)
+        return x + out
 
 
 class LlamaForCausalLM(nn.Module):
@@ -123,53 +122,54 @@ class LlamaForCausalLM(nn.Module):
 
     def init_rope_cache(self) -> None:
         """(Re)compute the float32 cos/sin tables [max_positions, head_dim] on the model's
-        device; call after moving a meta-initialized model to a real device.
-
-        LongRoPE (Phi-3): positions below ``original_max_position_embeddings`` use the short
-        factors and later ones the long factors, both scaled by the attention factor (vLLM's
-        ``Phi3LongRoPEScaledRotaryEmbedding``); HF switches the whole sequence to the long
-        factors once it is longer, so the two agree on sequences within the original length."""
+        device (:func:`server.model.rope.rope_tables`; a second pair for Gemma 3's window
+        layers); call after moving a meta-initialized model to a real device."""
         device = self.norm.device
-        positions = torch.arange(self.max_positions, dtype=torch.float32)
-        s = self.arch.rope_scaling
-        if s is not None and s.rope_type == "longrope":
-            base = rope_inv_freq(self.arch)
-            short = torch.outer(positions, base / torch.tensor(s.short_factor))
-            long = torch.outer(positions, base / torch.tensor(s.long_factor))
-            freqs = torch.where(positions[:, None] < s.original_max_position_embeddings,
-                                short, long)
-            scale = s.attention_factor
-        else:
-            freqs = torch.outer(positions, rope_inv_freq(self.arch, self.rope_freq_factors))
-            scale = 1.0
-        emb = torch.cat((freqs, freqs), dim=-1).to(device)
-        self.register_buffer("cos_cache", emb.cos() * scale, persistent=False)
-        self.register_buffer("sin_cache", emb.sin() * scale, persistent=False)
+        cos, sin = rope_tables(self.arch, self.max_positions, self.rope_freq_factors)
+        self.register_buffer("cos_cache", cos.to(device), persistent=False)
+        self.register_buffer("sin_cache", sin.to(device), persistent=False)
+        if self.arch.local_rope_theta is not None:
+            cos, sin = rope_tables(self.arch, self.max_positions,
+                                   theta=self.arch.local_rope_theta)
+            self.register_buffer("cos_local", cos.to(device), persistent=False)
+            self.register_buffer("sin_local", sin.to(device), persistent=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn: AttentionBackend, attn_id: int | None = None) -> torch.Tensor:
         """input_ids, positions: [T] int64. Returns final-normed hidden states [T, hidden].
         ``attn_id``: the backend's id in :mod:`server.model.compiled` when compiled."""
         x = self.embed_tokens(input_ids)
+        if self.arch.embed_scale != 1.0:  # Gemma: the scale is rounded to x's dtype first
+            x = x * torch.tensor(self.arch.embed_scale, dtype=x.dtype)
         cos = self.cos_cache[positions].to(x.dtype)
         sin = self.sin_cache[positions].to(x.dtype)
+        local = (self.cos_local[positions].to(x.dtype), self.sin_local[positions].to(x.dtype)) \
+            if self.arch.local_rope_theta is not None else (cos, sin)
         for layer in self.layers:
-            x = layer(x, cos, sin, attn, attn_id)
+            c, s = local if layer.window else (cos, sin)
+            x = layer(x, c, s, attn, attn_id)
         return attn.rms_norm(x, self.norm, self.arch.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, hidden]. Returns [N, vocab] float32."""
+        """hidden: [N, hidden]. Returns [N, vocab] float32 (soft-capped to
+        ``final_logit_softcap * tanh(logits / final_logit_softcap)`` when set: Gemma 2)."""
         if self.lm_head is not None:
-            return self.lm_head(hidden).float()
-        if isinstance(self.embed_tokens, QuantEmbedding):
-            return self.embed_tokens.as_linear(hidden).float()
-        return F.linear(hidden, self.embed_tokens.weight).float()
+            logits = self.lm_head(hidden).float()
+        elif isinstance(self.embed_tokens, QuantEmbedding):
+            logits = self.embed_tokens.as_linear(hidden).float()
+        else:
+            logits = F.linear(hidden, self.embed_tokens.weight).float()
+        cap = self.arch.final_logit_softcap
+        return torch.tanh(logits / cap) * cap if cap else logits
 
     def param_target(self, name: str) -> tuple[str, int, int | None] | None:
         """Where the HF tensor ``name`` goes: (our parameter, first row, rows), or None to skip.
         Q/K/V and gate/up rows are stacked into the fused projections."""
         a = self.arch
         q, kv, inter = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.intermediate_size
+        name = _text_model_name(name)
+        if name is None:  # a vision tower or projector of a multimodal checkpoint
+            return None
         if name.startswith("model.layers."):
             _, _, idx, rest = name.split(".", 3)
             module, kind = rest.rsplit(".", 1)
@@ -203,11 +203,29 @@ class LlamaForCausalLM(nn.Module):
                      dense_min_rows: int | None = None) -> QuantReport:
         """Materialize this meta-device model from HF-named tensors (see
         :func:`server.model.weight_loading.load_weights`), then build the RoPE tables.
+        Norm weights get ``arch.norm_offset`` added (Gemma's (1 + w), folded in once).
         Raises WeightLoadError, QuantizationError."""
+        if self.arch.norm_offset:
+            offset = self.arch.norm_offset
+            weights = ((n, w + offset if n.endswith("norm.weight") else w) for n, w in weights)
         report = load_weights(self, weights, self.param_target, dtype=dtype, device=device,
                               quantization=quantization, dense_min_rows=dense_min_rows)
         self.init_rope_cache()
         return report
+
+
+def _text_model_name(name: str) -> str | None:
+    """The text model's HF name of a (possibly multimodal, e.g. Gemma 3) checkpoint tensor:
+    ``language_model.model.X`` (transformers 4) and ``model.language_model.X`` (5) become
+    ``model.X``; vision tower and projector tensors give None."""
+    for prefix, repl in (("language_model.model.", "model."), ("model.language_model.", "model."),
+                         ("language_model.lm_head.", "lm_head.")):
+        if name.startswith(prefix):
+            return repl + name[len(prefix):]
+    if name.startswith(("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                        "model.multi_modal_projector.")):
+        return None
+    return name
 
 
 # HF module suffix -> our parameter in DecoderLayer

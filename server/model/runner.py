@@ -66,7 +66,7 @@ class ModelRunner:
         self.model = model.eval()
         self.kv_pool = kv_pool
         self.attention = create_attention_backend(attention_backend, kv_pool.k_buffers,
-                                                  kv_pool.v_buffers)
+                                                  kv_pool.v_buffers, windowed=arch.windowed)
         self.compiled = compile and self.device.type == "cpu"
         self._hidden = self._eager_hidden
         if self.compiled:

@@ -48,6 +48,10 @@ def test_auto_never_picks_flashinfer_where_its_kernels_cannot_run(monkeypatch):
         resolve_attention_backend("flashinfer", cuda, torch.float32, 64)
     with pytest.raises(ValueError, match="head_dim"):
         resolve_attention_backend("flashinfer", cuda, torch.bfloat16, 80)
+    # sliding windows / soft-capping (Gemma 2/3, Mistral) run on the Triton kernels
+    assert resolve_attention_backend("auto", cuda, torch.bfloat16, 64, windowed=True) == "triton"
+    with pytest.raises(ValueError, match="sliding windows"):
+        resolve_attention_backend("flashinfer", cuda, torch.bfloat16, 64, windowed=True)
 
 
 def test_engine_config_resolves_device_and_backend(monkeypatch):
@@ -66,12 +70,15 @@ def test_engine_config_resolves_device_and_backend(monkeypatch):
         EngineConfig.from_kwargs(model="x", device="tpu")
 
 
-def test_triton_engine_generates_what_the_reference_engine_does(make_tiny_model, device):
+@pytest.mark.parametrize("kind", ["tied", "gemma2"])
+def test_triton_engine_generates_what_the_reference_engine_does(make_tiny_model, device, kind):
     """Greedy fp32 generation through the whole server engine (prefill with a shared cached
-    prefix, batched decode) is token-identical with the Triton and the reference backends."""
+    prefix, batched decode) is token-identical with the Triton and the reference backends;
+    "tied": 6 query heads over 2 KV heads, as SmolLM2; "gemma2": a 16-token window layer and
+    soft-capped scores, with prompts longer than the window."""
     from server.engine import Engine
 
-    path, _ = make_tiny_model("tied")  # 6 query heads over 2 KV heads, as SmolLM2
+    path, _ = make_tiny_model(kind)
     prompts = [[5, 9, 13, 17, 21, 25, 29, 33] * 3 + [40 + i] * (1 + 2 * i) for i in range(3)]
     prompts.append([7])
     sp = {"max_new_tokens": 6, "temperature": 0}

@@ -161,3 +161,56 @@ def test_backend_matches_reference_backend_over_passes(device, name):
             outs[name] = backend.attend(0, q, d ** -0.5)
         torch.testing.assert_close(outs["tri"].float(), outs["ref"].float(), atol=tol, rtol=tol)
     torch.testing.assert_close(pools["tri"][0], pools["ref"][0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window, softcap", [(8, 0.0), (0, 2.0), (20, 3.0), (1, 0.0)])
+def test_sliding_window_and_softcap_match_reference(device, dtype, window, softcap):
+    """Window layers (positions (p - W, p]) and soft-capped scores, for extend over cached
+    prefixes longer and shorter than the window, and for decode."""
+    prefix_lens, extend_lens = [5, 33, 0, 64], [1, 3, 37, 2]
+    hq, hkv, d, capacity = 6, 2, 32, 512
+    k, v = pool(capacity, hkv, d, dtype, device, seed=7)
+    table, rows = slot_rows(prefix_lens, extend_lens, False, capacity, device, seed=7)
+    g = torch.Generator().manual_seed(7)
+    q = (torch.randn(sum(extend_lens), hq, d, generator=g) * 3).to(dtype).to(device)
+    scale = d ** -0.5
+    want = reference.extend_attention(q, k, v, table, rows, prefix_lens, extend_lens, scale,
+                                      window, softcap)
+    starts = torch.tensor([sum(extend_lens[:i]) for i in range(len(rows))], dtype=torch.int32)
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
+    # block_m > block_n: late rows of a query block see nothing in its first KV blocks
+    for block_m, block_n in ((16, 16), (32, 16)):
+        got = extend_attention(q, k, v, table, i32(rows), i32(prefix_lens), i32(extend_lens),
+                               starts.to(device), max(extend_lens), scale, block_m=block_m,
+                               block_n=block_n, window=window, softcap=softcap)
+        torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    qd = q[:len(lens)]
+    indices, mask = reference.decode_indices(table, rows, lens, window)
+    want = reference.decode_attention(qd, k, v, indices, mask, scale, softcap)
+    got = decode_attention(qd, k, v, table, i32(rows), i32(lens), scale, block_n=16,
+                           window=window, softcap=softcap)
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_reference_window_equals_masked_full_attention():
+    """The reference's windowed gather (only the last W rows) equals full attention with the
+    window applied as a mask, for extend and decode."""
+    d, w = 16, 6
+    k, v = pool(64, 2, d, torch.float32, "cpu", seed=9)
+    table = torch.arange(64).view(1, 64)
+    q = torch.randn(10, 4, d, generator=torch.Generator().manual_seed(9))
+    got = reference.extend_attention(q, k, v, table, [0], [15], [10], d ** -0.5, w)
+    kk = k[:25].repeat_interleave(2, 1).transpose(0, 1)  # [4, 25, d]
+    vv = v[:25].repeat_interleave(2, 1).transpose(0, 1)
+    pos = torch.arange(15, 25)[:, None]
+    cols = torch.arange(25)[None, :]
+    s = (q.transpose(0, 1) @ kk.transpose(1, 2)) * d ** -0.5
+    s = s.masked_fill(~((cols <= pos) & (cols > pos - w)), float("-inf"))
+    want = (s.softmax(-1) @ vv).transpose(0, 1)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    indices, mask = reference.decode_indices(table, [0], [25], w)
+    assert indices.shape == (1, w) and indices[0].tolist() == list(range(19, 25))
+    got = reference.decode_attention(q[-1:], k, v, indices, mask, d ** -0.5)
+    torch.testing.assert_close(got, want[-1:], atol=1e-5, rtol=1e-5)

@@ -102,3 +102,19 @@ def test_multi_turn_reuses_previous_answer(tiny_path):
     got = on.generate(input_ids=turn2, sampling_params=SP)
     assert got["meta_info"]["cached_tokens"] == len(turn1) + len(a1) - 1
     assert got["output_ids"] == off.generate(input_ids=turn2, sampling_params=SP)["output_ids"]
+
+
+def test_sliding_window_model_cache_on_equals_off(make_tiny_model):
+    """Gemma 3 with 16-token window layers: prompts share a 60-token prefix (longer than the
+    window), so window layers of a cache hit read only cached K/V past the window start; the
+    cache may not evict the shared prefix from under a running request either (small pool)."""
+    path = make_tiny_model("gemma3")[0]
+    prompts = workload(seed=3)
+    ref = Engine(path, dtype="float32", context_length=512, max_total_tokens=8192,
+                 disable_radix_cache=True)
+    want = [o["output_ids"] for o in ref.generate(input_ids=prompts, sampling_params=SP)]
+    for kwargs in ({}, {"chunked_prefill_size": 13},
+                   {"max_total_tokens": 220, "max_new_tokens_reserve": 1}):
+        eng, outs = run_cached(path, prompts, **kwargs)
+        assert [o["output_ids"] for o in outs] == want, kwargs
+        assert sum(o["meta_info"]["cached_tokens"] for o in outs) > 0

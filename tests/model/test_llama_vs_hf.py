@@ -17,7 +17,7 @@ from server.model.runner import ModelRunner
 from tests.helpers import hf_logits
 
 FAMILIES = ["llama", "llama3", "tied", "qwen2", "qwen3", "phi3", "mistral", "mixtral",
-            "qwen3_moe"]
+            "qwen3_moe", "mistral_swa", "gemma", "gemma2", "gemma3"]
 TOL = 1e-4
 
 

@@ -34,8 +34,7 @@ def test_family_flags():
 
 @pytest.mark.parametrize("cfg, match", [
     ({**BASE, "model_type": "gpt2"}, "model_type"),
-    ({**BASE, "hidden_act": "gelu"}, "hidden_act"),
-    ({**BASE, "model_type": "mistral", "sliding_window": 256}, "sliding-window"),
+    ({**BASE, "hidden_act": "relu"}, "activation"),
     ({**BASE, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "rope_type"),
     ({**BASE, "num_key_value_heads": 3}, "multiple"),
 ])
@@ -71,3 +70,36 @@ def test_qwen3_configs_are_read_with_their_qk_norm():
                               "qwen3.attention.key_length": 128},
                              has_output_tensor=False, has_qkv_bias=False)
     assert g.qk_norm and g.head_dim == 128 and g.tie_word_embeddings
+
+
+def test_sliding_window_layers_per_family():
+    mistral = ArchConfig.from_hf({**BASE, "model_type": "mistral", "sliding_window": 256})
+    assert mistral.layer_windows == (256, 256) and mistral.windowed
+    assert ArchConfig.from_hf({**BASE, "model_type": "mistral",
+                               "sliding_window": 4096}).layer_windows == ()  # >= context
+    qwen = {**BASE, "model_type": "qwen2", "sliding_window": 128, "max_window_layers": 1}
+    assert ArchConfig.from_hf(qwen).layer_windows == ()  # use_sliding_window off
+    assert ArchConfig.from_hf({**qwen, "use_sliding_window": True}).layer_windows == (0, 128)
+    g2 = ArchConfig.from_hf({**BASE, "model_type": "gemma2", "num_hidden_layers": 4,
+                             "sliding_window": 512, "attn_logit_softcapping": 50.0,
+                             "final_logit_softcapping": 30.0, "query_pre_attn_scalar": 256})
+    assert g2.layer_windows == (512, 0, 512, 0) and g2.attn_logit_softcap == 50.0
+    assert g2.attention_scale == 256 ** -0.5 and g2.sandwich_norms and g2.norm_offset == 1.0
+
+
+def test_gemma3_checkpoint_config_transformers4_layout():
+    """gemma-3-4b-it's config.json: a multimodal wrapper whose text_config has the local RoPE
+    base, linear scaling of the global layers and a 6-layer pattern."""
+    text = {"hidden_size": 2560, "intermediate_size": 10240, "num_hidden_layers": 12,
+            "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+            "vocab_size": 262208, "max_position_embeddings": 131072, "sliding_window": 1024,
+            "sliding_window_pattern": 6, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+            "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "query_pre_attn_scalar": 256,
+            "hidden_activation": "gelu_pytorch_tanh", "model_type": "gemma3_text"}
+    a = ArchConfig.from_hf({"model_type": "gemma3", "text_config": text,
+                            "vision_config": {"model_type": "siglip_vision_model"}})
+    assert a.model_type == "gemma3" and a.qk_norm and a.hidden_act == "gelu_pytorch_tanh"
+    assert a.layer_windows == (1024,) * 5 + (0,) + (1024,) * 5 + (0,)
+    assert a.local_rope_theta == 10000.0 and a.rope_theta == 1e6
+    assert a.rope_scaling.rope_type == "linear" and a.rope_scaling.factor == 8.0
+    assert a.embed_scale == 2560 ** 0.5 and a.final_logit_softcap == 0.0
