@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe",
                          "gemma", "gemma2", "gemma3_text", "gemma3")
 GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text", "gemma3")
 # name mapping checked for these (tests/model/test_gguf_families.py)
-GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3")
+GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
 ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")
 
 
@@ -222,12 +222,13 @@ class ArchConfig:
         if get("rope.scaling.type") == "linear":
             scaling = RopeScaling("linear", factor=float(get("rope.scaling.factor")))
         eos = meta.get("tokenizer.ggml.eos_token_id")
+        layers = int(get("block_count"))
         return cls(
             model_type=arch,
             vocab_size=int(vocab),
             hidden_size=hidden,
             intermediate_size=int(get("feed_forward_length")),
-            num_layers=int(get("block_count")),
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=int(get("attention.head_count_kv", heads)),
             head_dim=int(get("attention.key_length", hidden // heads)),
@@ -236,10 +237,12 @@ class ArchConfig:
             max_position_embeddings=int(get("context_length", 4096)),
             tie_word_embeddings=not has_output_tensor,
             qkv_bias=has_qkv_bias,
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "gemma3"),
             rope_scaling=scaling,
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=() if eos is None else (int(eos),),
+            **(_gemma_gguf_fields(arch, get, layers, hidden, heads)
+               if arch in GEMMA_TYPES else {}),
         )
 
 
@@ -277,6 +280,31 @@ def _gemma_fields(model_type: str, cfg: Mapping[str, Any], hidden: int) -> dict[
                                        if cfg.get("query_pre_attn_scalar") else None),
                 attn_logit_softcap=float(cfg.get("attn_logit_softcapping") or 0.0),
                 final_logit_softcap=float(cfg.get("final_logit_softcapping") or 0.0))
+
+
+def _gemma_gguf_fields(arch: str, get: Callable[..., Any], layers: int, hidden: int,
+                       heads: int) -> dict[str, Any]:
+    """Gemma 2/3 constants of a GGUF file, as llama.cpp reads them (``llama-model.cpp``):
+    norms already hold 1 + w (its converter adds 1), the query scale is 1/sqrt(head_dim) except
+    for the 27B models (1/sqrt(hidden / heads)), Gemma 3's window layers use RoPE base
+    ``rope.freq_base_swa`` (llama.cpp's default 10000),
+    and the window pattern defaults to every 2nd (Gemma 2) / 6th (Gemma 3) layer global."""
+    head_dim = int(get("attention.key_length", hidden // heads))
+    big = (arch, layers) in (("gemma2", 46), ("gemma3", 62))
+    window = int(get("attention.sliding_window", 0) or 0)
+    pattern = get("attention.sliding_window_pattern", 2 if arch == "gemma2" else 6)
+    if isinstance(pattern, (list, tuple)):  # per-layer flags (True = sliding window)
+        sliding = [bool(x) for x in pattern]
+    else:
+        sliding = [(i + 1) % int(pattern) != 0 for i in range(layers)]
+    return dict(hidden_act="gelu_pytorch_tanh", embed_scale=math.sqrt(hidden), norm_offset=0.0,
+                sandwich_norms=True,
+                query_pre_attn_scalar=float(hidden // heads if big else head_dim),
+                attn_logit_softcap=float(get("attn_logit_softcapping", 0.0) or 0.0),
+                final_logit_softcap=float(get("final_logit_softcapping", 0.0) or 0.0),
+                layer_windows=tuple(window if s else 0 for s in sliding) if window else (),
+                local_rope_theta=(float(get("rope.freq_base_swa", 10000.0))
+                                  if arch == "gemma3" else None))
 
 
 def _layer_windows(model_type: str, cfg: Mapping[str, Any]) -> tuple[int, ...]:

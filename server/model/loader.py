@@ -128,13 +128,25 @@ _GGUF_GLOBAL_NAMES = {
 }
 
 
-def gguf_to_hf_name(name: str) -> str | None:
-    """Map a GGUF tensor name to the HF parameter name; None for tensors that are not weights."""
+# Gemma 2/3 (sandwich norms): "ffn_norm" is the norm before the MLP, as in gguf-py's
+# TensorNameMap (FFN_PRE_NORM), and two more norms follow attention and the MLP.
+_GGUF_GEMMA_LAYER_NAMES = {
+    **_GGUF_LAYER_NAMES,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+
+
+def gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
+    """Map a GGUF tensor name of architecture ``arch`` to the HF parameter name; None for
+    tensors that are not weights."""
     if name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[name]
+    layer_names = _GGUF_GEMMA_LAYER_NAMES if arch in ("gemma2", "gemma3") else _GGUF_LAYER_NAMES
     parts = name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in layer_names:
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{parts[3]}"
     return None
 
 
@@ -194,7 +206,7 @@ def _load_gguf(path: str) -> LoadedModel:
 
     def weights(keep_quantized: bool = False) -> Iterator[tuple[str, WeightTensor]]:
         for t in reader.tensors:
-            hf_name = gguf_to_hf_name(t.name)
+            hf_name = gguf_to_hf_name(t.name, arch.model_type)
             if hf_name is None:
                 continue
             w = read(t, keep_quantized)

@@ -55,3 +55,8 @@ def test_gguf_names():
     assert gguf_to_hf_name("output.weight") == "lm_head.weight"
     assert gguf_to_hf_name("blk.2.attn_k_norm.weight") == "model.layers.2.self_attn.k_norm.weight"
     assert gguf_to_hf_name("rope_freqs.weight") is None
+    # Gemma 2/3: ffn_norm is the pre-MLP norm; two more norms follow attention and the MLP
+    assert gguf_to_hf_name("blk.1.ffn_norm.weight", "gemma3") == \
+        "model.layers.1.pre_feedforward_layernorm.weight"
+    assert gguf_to_hf_name("blk.1.post_ffw_norm.weight", "gemma2") == \
+        "model.layers.1.post_feedforward_layernorm.weight"
