@@ -14,6 +14,7 @@ import sys
 from server.config import (
     ATTENTION_BACKENDS,
     QUANTIZATION_MODES,
+    REASONING_PARSERS,
     SCHEDULE_POLICIES,
     CacheConfig,
     ConfigError,
@@ -34,6 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     a("--port", type=int, default=30000, help="port to listen on (default 30000)")
     a("--served-model-name", default=None, help="model name reported by the APIs")
+    a("--reasoning-parser", choices=REASONING_PARSERS, default="auto", help="return a reasoning "
+      "model's <think>...</think> apart from the answer (reasoning_content) and apply "
+      "constraints to the answer only; auto = when the chat template uses <think> and both "
+      "markers are single tokens (Qwen3, DeepSeek-R1)")
     a("--api-key", default=None, help="require this key (Authorization: Bearer KEY) on every "
       "route except /health, /health_generate and /metrics")
     a("--dtype", default="auto", help="auto (bf16 on GPUs and CPUs with native bf16, else fp32), "
@@ -99,7 +104,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, HTTPConfi
     http = HTTPConfig(host=args.host, port=args.port, api_key=args.api_key,
                       max_queued_requests=args.max_queued_requests,
                       shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
-                      parent_pid=args.parent_pid)
+                      parent_pid=args.parent_pid, reasoning_parser=args.reasoning_parser)
     return engine, http
 
 

@@ -259,6 +259,9 @@ def resolve(config: EngineConfig, *, kv_elements_per_token: int, model_context_l
     return dataclasses.replace(config, model=model, cache=cache)
 
 
+REASONING_PARSERS = ("auto", "none", "qwen3", "deepseek-r1")  # see server.reasoning
+
+
 @dataclass(frozen=True)
 class HTTPConfig:
     """The HTTP process. Times in seconds, sizes in bytes.
@@ -273,6 +276,8 @@ class HTTPConfig:
         log_level: "debug", "info", "warning" or "error".
         parent_pid: when set, the server drains and exits once this process is gone (how a
             launcher, e.g. ``sgl.Runtime`` or a test, makes its server die with it).
+        reasoning_parser: "auto" (from the chat template, when unambiguous), "none", "qwen3"
+            or "deepseek-r1" (:mod:`server.reasoning`).
     """
 
     host: str = "127.0.0.1"
@@ -284,6 +289,7 @@ class HTTPConfig:
     startup_timeout: float = 300.0
     log_level: str = "info"
     parent_pid: int | None = None
+    reasoning_parser: str = "auto"
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -292,3 +298,6 @@ class HTTPConfig:
             raise ConfigError("max_queued_requests must be >= 1")
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise ConfigError(f"log_level must be debug/info/warning/error, got {self.log_level!r}")
+        if self.reasoning_parser not in REASONING_PARSERS:
+            raise ConfigError(f"reasoning_parser must be one of {REASONING_PARSERS}, got "
+                              f"{self.reasoning_parser!r}")

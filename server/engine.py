@@ -25,6 +25,7 @@ from server.cache.radix_tree import RadixCache
 from server.cache.req_table import ReqToTokenTable
 from server.config import EngineConfig, resolve
 from server.constrained.grammar import GrammarCompiler
+from server.constrained.reasoning import ReasoningGatedMatcher
 from server.detokenizer import OutputText
 from server.model.loader import load_model
 from server.model.runner import ModelRunner
@@ -131,15 +132,19 @@ class Engine:
 
     def make_request(self, prompt: Prompt, params: SamplingParams,
                      logprobs: LogprobOptions = LogprobOptions(), rid: str | None = None,
-                     cache_salt: str | None = None) -> Req:
+                     cache_salt: str | None = None, reasoning: Any = None) -> Req:
         """Tokenize and wrap one prompt (str or token ids) as a scheduler request.
 
         ``cache_salt`` puts the request in its own radix-cache namespace: it shares cached KV
-        only with requests of the same salt. Raises GrammarError for a constraint that does
-        not compile."""
+        only with requests of the same salt. ``reasoning`` (a
+        :class:`server.protocol.ReasoningGate`) holds the grammar back while the model
+        thinks. Raises GrammarError for a constraint that does not compile."""
         ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         grammar = (self.grammars.matcher(params.grammar, sorted(self.eos_ids))
                    if params.grammar is not None else None)
+        if grammar is not None and reasoning is not None:
+            grammar = ReasoningGatedMatcher(grammar, reasoning.end_ids, reasoning.in_reasoning,
+                                            reasoning.start_id)
         return Req(rid=rid or uuid.uuid4().hex, input_ids=ids, params=params,
                    eos_ids=self.eos_ids, logprobs=logprobs, namespace=cache_salt,
                    grammar=grammar)

@@ -29,6 +29,7 @@ from server.config import EngineConfig, HTTPConfig
 from server.http.app import create_app
 from server.http.tokenizer_manager import TokenizerManager
 from server.model.files import load_tokenizer
+from server.reasoning import ReasoningParser, ReasoningParserError
 from server.scheduler.entry import run_scheduler
 
 log = logging.getLogger("server.launch")
@@ -69,8 +70,8 @@ async def serve(engine_config: EngineConfig, http: HTTPConfig) -> int:
         (tokenizer, model_path), ready = await asyncio.gather(
             asyncio.to_thread(load_tokenizer, engine_config.model.path),
             _wait_ready(recv, proc, http.startup_timeout))
-        manager = TokenizerManager(tokenizer, ready, send, recv,
-                                   http.max_queued_requests)
+        manager = TokenizerManager(tokenizer, ready, send, recv, http.max_queued_requests,
+                                   ReasoningParser.for_tokenizer(http.reasoning_parser, tokenizer))
         app = create_app(manager, model_name=engine_config.model.served_model_name
                          or ready.model_name, model_path=model_path, api_key=http.api_key,
                          max_body_bytes=http.max_body_bytes,
@@ -116,7 +117,7 @@ async def serve(engine_config: EngineConfig, http: HTTPConfig) -> int:
         await server.serve()
         watcher.cancel()
         exit_code = 1 if died.is_set() else 0
-    except SchedulerDiedError as exc:
+    except (SchedulerDiedError, ReasoningParserError) as exc:
         log.error("%s", exc)
         exit_code = 1
     finally:

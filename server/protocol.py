@@ -25,6 +25,16 @@ class ProtocolError(ValueError):
 
 
 # ---------------------------------------------------------------- to the scheduler
+class ReasoningGate(msgspec.Struct):
+    """Hold a request's grammar back while the model reasons (:mod:`server.reasoning`):
+    ``in_reasoning`` from the first token, or, with ``start_id``, if the first token opens a
+    think block; the grammar applies once the output ends with ``end_ids``."""
+
+    end_ids: list[int]
+    in_reasoning: bool
+    start_id: int | None = None
+
+
 class GenerateReq(msgspec.Struct, tag=True):
     """A tokenized, validated request. ``sampling`` holds SamplingParams fields by name."""
 
@@ -35,6 +45,7 @@ class GenerateReq(msgspec.Struct, tag=True):
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     namespace: str | None = None
+    reasoning: ReasoningGate | None = None
 
 
 class AbortReq(msgspec.Struct, tag=True):

@@ -71,13 +71,16 @@ async def admit_chat(manager: TokenizerManager, body: ChatCompletionRequest
             constraint = {"json_schema": call_schema(tools, names)}
     ids = await manager.apply_chat_template_async(
         messages, tools=[{"type": "function", "function": t} for t in tools.values()]
-        if use_tools and manager.template_renders_tools else None)
+        if use_tools and manager.template_renders_tools else None,
+        template_kwargs=body.chat_template_kwargs)
+    state = manager.reasoning_state(ids) if body.separate_reasoning else None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
         else body.max_tokens
     if max_tokens is None:
         max_tokens = _default_max_tokens(manager, len(ids))
     inputs = [GenerateInput(ids, _params(body, max_tokens, j, constraint),
-                            return_logprob=body.logprobs, top_logprobs_num=body.top_logprobs or 0)
+                            return_logprob=body.logprobs, top_logprobs_num=body.top_logprobs or 0,
+                            reasoning_state=state)
               for j in range(body.n)]
     for inp in inputs:
         manager.validate(inp, CHAT_NAMES)
@@ -218,8 +221,9 @@ async def admit_generate(manager: TokenizerManager, body: GenerateRequest
                            "prompt several times", param="n")
         if rid is not None and len(prompts) > 1 and not isinstance(body.rid, list):
             rid = f"{rid}-{k}"
+        state = manager.reasoning_state(ids) if body.separate_reasoning else None
         inputs.append(GenerateInput(ids, params, body.return_logprob, body.logprob_start_len,
-                                    body.top_logprobs_num, rid, body.cache_salt))
+                                    body.top_logprobs_num, rid, body.cache_salt, state))
     for inp in inputs:
         manager.validate(inp)
     return inputs, single

@@ -6,6 +6,9 @@ Response of /generate: ``{"text", "output_ids", "meta_info": {"id", "prompt_toke
 "input_token_logprobs", "output_token_logprobs", "input_top_logprobs", "output_top_logprobs"}}``
 (logprob entries are [logprob, token_id] or, with return_text_in_logprobs, [logprob, token_id,
 text]). ``sampling_params.max_new_tokens = 0`` is a prefill-only request (a cache hint).
+With ``separate_reasoning`` on a reasoning model (:mod:`server.reasoning`), "text" is the answer
+and "reasoning_text" the thinking (null when there was none), and a constraint in the
+sampling params applies to the answer only.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from server.http.responses import (
 )
 from server.http.schemas import AbortRequest, GenerateRequest
 from server.http.tokenizer_manager import ApiError, TokenizerManager
+from server.reasoning import split
 
 router = APIRouter()
 
@@ -36,8 +40,10 @@ router = APIRouter()
 class _Accumulator:
     """Builds the native response of one request from its outputs."""
 
-    def __init__(self, manager: TokenizerManager, with_text: bool):
+    def __init__(self, manager: TokenizerManager, with_text: bool,
+                 reasoning_state: str | None = None):
         self.manager, self.with_text = manager, with_text
+        self.reasoning_state = reasoning_state
         self.ids: list[int] = []
         self.lists: dict[str, list] = {"output_token_logprobs": [], "output_top_logprobs": [],
                                        "input_token_logprobs": [], "input_top_logprobs": []}
@@ -62,7 +68,11 @@ class _Accumulator:
             for name, items in self.lists.items():
                 meta[name] = ([[self._entry(lp, t) for lp, t in top] for top in items]
                               if "top" in name else [self._entry(lp, t) for lp, t in items])
-        return {"text": out.text, "output_ids": list(self.ids), "meta_info": meta}
+        if self.reasoning_state is None:
+            return {"text": out.text, "output_ids": list(self.ids), "meta_info": meta}
+        reasoning, answer = split(out.text, self.reasoning_state, out.finish_reason is not None)
+        return {"text": answer, "reasoning_text": reasoning, "output_ids": list(self.ids),
+                "meta_info": meta}
 
 
 @router.post("/generate")
@@ -70,7 +80,8 @@ async def generate(request: Request, body: GenerateRequest):
     manager = manager_of(request)
     inputs, single = await admit_generate(manager, body)
     streams = [manager.generate(inp) for inp in inputs]
-    accs = [_Accumulator(manager, body.return_text_in_logprobs) for _ in inputs]
+    accs = [_Accumulator(manager, body.return_text_in_logprobs, inp.reasoning_state)
+            for inp in inputs]
     if body.stream:
         streams = await start_streams(request, streams)
 

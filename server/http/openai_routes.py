@@ -7,6 +7,9 @@ min_p, repetition_penalty, stop_token_ids, ignore_eos and min_tokens. Usage alwa
 ``prompt_tokens_details.cached_tokens``. ``response_format`` (json_object, json_schema)
 and the ``regex`` / ``json_schema`` extensions are enforced by grammar-constrained decoding;
 ``tools`` with ``tool_choice`` none/auto/required/named are handled in :mod:`server.http.tools`.
+On a reasoning model (``--reasoning-parser``), chat messages and stream deltas carry the
+thinking as ``reasoning_content`` and the answer as ``content`` (constraints and tool calls
+apply to the answer); ``chat_template_kwargs`` (e.g. ``enable_thinking``) reach the template.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from server.http.responses import (
 from server.http.schemas import ChatCompletionRequest, CompletionRequest, _OpenAISampling
 from server.http.tokenizer_manager import TokenizerManager
 from server.http.tools import as_tool_call
+from server.reasoning import ReasoningStream, split
 
 router = APIRouter()
 
@@ -172,12 +176,16 @@ def _chat_logprobs(manager: TokenizerManager, outs: list[P.ReqOutput]) -> dict[s
 async def chat_completions(request: Request, body: ChatCompletionRequest):
     manager = manager_of(request)
     inputs, tools, use_tools = await admit_chat(manager, body)
+    state = inputs[0].reasoning_state
 
     def message(text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
+        reasoning, text = split(text, state) if state is not None else (None, text)
+        extra = {"reasoning_content": reasoning} if state is not None else {}
         call = as_tool_call(text, tools) if use_tools else None
         if call is None:
-            return {"role": "assistant", "content": text}, finish
-        return {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"
+            return {"role": "assistant", "content": text, **extra}, finish
+        return ({"role": "assistant", "content": None, **extra, "tool_calls": [call]},
+                "tool_calls")
     streams = [manager.generate(inp) for inp in inputs]
     if body.stream:
         streams = await start_streams(request, streams)
@@ -192,6 +200,8 @@ async def chat_completions(request: Request, body: ChatCompletionRequest):
             for i, out in sorted(last.items()):
                 msg, finish = message(out.text, openai_finish_reason(out.finish_reason))
                 delta = {"role": "assistant", "content": msg["content"]}
+                if msg.get("reasoning_content"):
+                    delta["reasoning_content"] = msg["reasoning_content"]
                 if "tool_calls" in msg:
                     delta["tool_calls"] = [{"index": 0, **msg["tool_calls"][0]}]
                 out_chunks.append([{"index": i, "delta": delta, "logprobs": None,
@@ -201,14 +211,17 @@ async def chat_completions(request: Request, body: ChatCompletionRequest):
         return _stream_response(streams, chunk, lambda i, out: [], body, tail=tool_tail)
 
     if body.stream:
-        sent = [""] * len(streams)
+        parts = [ReasoningStream(state or "off") for _ in streams]
 
         def on_output(i: int, out: P.ReqOutput) -> list[dict[str, Any]]:
-            delta, sent[i] = out.text[len(sent[i]):], out.text
+            thought, said = parts[i].feed(out.text, final=out.finish_reason is not None)
             lp = _chat_logprobs(manager, [out]) if body.logprobs else None
-            if not (delta or out.finish_reason or lp):
+            if not (thought or said or out.finish_reason or lp):
                 return []
-            return [{"index": i, "delta": {"content": delta} if delta else {}, "logprobs": lp,
+            delta = {"reasoning_content": thought} if thought else {}
+            if said:
+                delta["content"] = said
+            return [{"index": i, "delta": delta, "logprobs": lp,
                      "finish_reason": openai_finish_reason(out.finish_reason)}]
 
         roles = [[{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,

@@ -81,6 +81,10 @@ class ChatCompletionRequest(_OpenAISampling):
     max_completion_tokens: int | None = Field(None, ge=0)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    # template variables, e.g. {"enable_thinking": false} for Qwen3 (SGLang / vLLM name)
+    chat_template_kwargs: dict[str, Any] | None = None
+    # with a reasoning parser: thinking in message.reasoning_content, apart from content
+    separate_reasoning: bool = True
 
 
 class GenerateRequest(_Body):
@@ -97,6 +101,8 @@ class GenerateRequest(_Body):
     rid: str | list[str] | None = None
     image_data: Any = None
     cache_salt: str | None = None
+    # with a reasoning parser: thinking in "reasoning_text", the grammar on the answer only
+    separate_reasoning: bool = False
 
 
 class AbortRequest(_Body):

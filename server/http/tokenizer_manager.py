@@ -27,6 +27,7 @@ import zmq.asyncio
 
 from server import protocol as P
 from server.detokenizer import OutputText
+from server.reasoning import ReasoningParser
 from server.sampling_params import SamplingParams, SamplingParamsError
 from server.scheduler.validation import InvalidRequestError, validate_request
 
@@ -58,6 +59,9 @@ class GenerateInput:
     top_logprobs_num: int = 0
     rid: str | None = None
     namespace: str | None = None
+    # where the output starts when the server splits reasoning (server.reasoning): "maybe",
+    # "reasoning" or "off"; None = the text is not split
+    reasoning_state: str | None = None
 
 
 class TokenizerManager:
@@ -66,11 +70,14 @@ class TokenizerManager:
         info: the scheduler's Ready message (vocab, context and pool sizes).
         send, recv: zmq.asyncio PUSH (to the scheduler) and PULL (from it) sockets.
         max_queued_requests: requests in flight beyond which new ones get 503 + Retry-After.
+        reasoning: the model's think markers (:mod:`server.reasoning`), or None.
     """
 
     def __init__(self, tokenizer: Any, info: P.Ready, send: zmq.asyncio.Socket,
-                 recv: zmq.asyncio.Socket, max_queued_requests: int = 1024):
+                 recv: zmq.asyncio.Socket, max_queued_requests: int = 1024,
+                 reasoning: ReasoningParser | None = None):
         self.tokenizer = tokenizer
+        self.reasoning = reasoning
         self.info = info
         self.send_sock = send
         self.recv_sock = recv
@@ -141,25 +148,48 @@ class TokenizerManager:
             self._tokenize_pool, self.encode, text, param)
 
     async def apply_chat_template_async(self, messages: Sequence[dict],
-                                        tools: list[dict] | None = None) -> list[int]:
+                                        tools: list[dict] | None = None,
+                                        template_kwargs: dict[str, Any] | None = None
+                                        ) -> list[int]:
         """:meth:`apply_chat_template` on the tokenizer threads. Raises ApiError."""
         return await asyncio.get_running_loop().run_in_executor(
-            self._tokenize_pool, lambda: self.apply_chat_template(messages, tools=tools))
+            self._tokenize_pool, lambda: self.apply_chat_template(
+                messages, tools=tools, template_kwargs=template_kwargs))
 
     @property
     def template_renders_tools(self) -> bool:
         return "tools" in (getattr(self.tokenizer, "chat_template", None) or "")
 
     def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> list[int]:
+                            tools: list[dict] | None = None,
+                            template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """Token ids of the rendered conversation; ``template_kwargs`` become template
+        variables (e.g. Qwen3's ``enable_thinking``). Raises ApiError."""
+        extra = dict(template_kwargs or {})
+        for name in ("conversation", "tokenize", "add_generation_prompt", "tools", "messages"):
+            if name in extra:
+                raise ApiError(400, f"chat_template_kwargs may not set {name!r}",
+                               param="chat_template_kwargs")
         try:
             text = self.tokenizer.apply_chat_template(
                 list(messages), tokenize=False, add_generation_prompt=add_generation_prompt,
-                **({"tools": tools} if tools else {}))
+                **({"tools": tools} if tools else {}), **extra)
         except Exception as exc:  # a template that rejects the conversation (e.g. roles)
             raise ApiError(400, f"the chat template rejected these messages: {exc}",
                            param="messages") from exc
         return self.encode(text, param="messages")
+
+    def reasoning_state(self, prompt_ids: Sequence[int]) -> str | None:
+        """Where an output after ``prompt_ids`` starts (:meth:`ReasoningParser.prompt_state`);
+        None when the model has no reasoning parser."""
+        if self.reasoning is None:
+            return None
+        return self.reasoning.prompt_state(self.decode(list(prompt_ids[-8:])))
+
+    def _gate(self, inp: GenerateInput) -> P.ReasoningGate | None:
+        if self.reasoning is None or inp.reasoning_state is None or inp.params.grammar is None:
+            return None
+        return self.reasoning.gate(inp.reasoning_state)
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids`` with special tokens kept (for logprob token strings)."""
@@ -207,7 +237,8 @@ class TokenizerManager:
             await self.send_sock.send(P.encode(P.GenerateReq(
                 rid=rid, input_ids=inp.input_ids, sampling=_params_dict(inp.params),
                 return_logprob=inp.return_logprob, logprob_start_len=inp.logprob_start_len,
-                top_logprobs_num=inp.top_logprobs_num, namespace=inp.namespace)))
+                top_logprobs_num=inp.top_logprobs_num, namespace=inp.namespace,
+                reasoning=self._gate(inp))))
             first = True
             pending: collections.deque = collections.deque()
             text = OutputText(self.tokenizer, inp.input_ids, inp.params.stop,

@@ -112,7 +112,7 @@ class SchedulerLoop:
             req = self.engine.make_request(
                 msg.input_ids, params, LogprobOptions(msg.return_logprob, msg.logprob_start_len,
                                                       msg.top_logprobs_num),
-                rid=msg.rid, cache_salt=msg.namespace)
+                rid=msg.rid, cache_salt=msg.namespace, reasoning=msg.reasoning)
             self.engine.scheduler.add_request(req)
         except _REFUSED as exc:
             return self._refuse(msg.rid, exc)
