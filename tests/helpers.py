@@ -84,8 +84,8 @@ def tiny_config(kind: str = "llama", **overrides):
                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
     else:
         raise ValueError(kind)
-    for k, v in overrides.items():
-        setattr(cfg, k, v)
+    for k, v in overrides.items():  # tuples stand for lists (make_tiny_model hashes them)
+        setattr(cfg, k, list(v) if isinstance(v, tuple) else v)
     return cfg
 
 

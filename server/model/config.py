@@ -19,7 +19,8 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral"
                          "gemma", "gemma2", "gemma3_text", "gemma3")
 GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text", "gemma3")
 # name mapping checked for these (tests/model/test_gguf_families.py)
-GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
+GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3",
+                      "qwen3moe")
 ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")
 
 
@@ -201,11 +202,16 @@ class ArchConfig:
 
     @classmethod
     def from_gguf(cls, meta: Mapping[str, Any], *, has_output_tensor: bool,
-                  has_qkv_bias: bool) -> "ArchConfig":
+                  has_qkv_bias: bool, sparse_layers: tuple[int, ...] = (),
+                  longrope_factors: tuple[tuple[float, ...], tuple[float, ...]] | None = None
+                  ) -> "ArchConfig":
         """Parse GGUF key/value metadata (``{arch}.block_count`` etc.).
 
         llama3-style RoPE scaling in GGUF is carried as a ``rope_freqs.weight`` tensor that the
-        loader applies directly, so it is not represented here.
+        loader applies directly, so it is not represented here. Tensors read by the loader:
+        ``sparse_layers`` (layers with an expert router, ``ffn_gate_inp``: Mixtral is stored as
+        arch "llama" with experts, Qwen3-MoE as "qwen3moe") and Phi-3's LongRoPE
+        (short, long) factors (``rope_factors_short`` / ``rope_factors_long``).
         """
         arch = meta["general.architecture"]
         if arch not in GGUF_ARCHITECTURES:
@@ -223,6 +229,32 @@ class ArchConfig:
             scaling = RopeScaling("linear", factor=float(get("rope.scaling.factor")))
         eos = meta.get("tokenizer.ggml.eos_token_id")
         layers = int(get("block_count"))
+        head_dim = int(get("attention.key_length", hidden // heads))
+        max_pos = int(get("context_length", 4096))
+        rope_dims = int(get("rope.dimension_count", head_dim))
+        if rope_dims != head_dim:
+            raise UnsupportedModelError(
+                f"RoPE on {rope_dims} of {head_dim} head dimensions (partial rotary) is not "
+                "supported")
+        if longrope_factors is not None:  # Phi-3 (llama.cpp's Phi3MiniModel conversion)
+            orig = int(get("rope.scaling.original_context_length", max_pos))
+            factor = max_pos / orig
+            attention = get("rope.scaling.attn_factor")
+            if attention is None:
+                attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor)
+                                                                / math.log(orig))
+            scaling = RopeScaling("longrope", factor=factor, original_max_position_embeddings=orig,
+                                  short_factor=longrope_factors[0],
+                                  long_factor=longrope_factors[1],
+                                  attention_factor=float(attention))
+        window = int(get("attention.sliding_window", 0) or 0)
+        experts = int(get("expert_count", 0) or 0)
+        moe = {} if not experts else dict(
+            num_experts=experts, num_experts_per_tok=int(get("expert_used_count")),
+            moe_intermediate_size=int(get("expert_feed_forward_length")
+                                      or get("feed_forward_length")),
+            moe_renormalize=True,  # llama.cpp normalizes the top-k weights of both families
+            sparse_layers=sparse_layers)
         return cls(
             model_type=arch,
             vocab_size=int(vocab),
@@ -231,18 +263,21 @@ class ArchConfig:
             num_layers=layers,
             num_heads=heads,
             num_kv_heads=int(get("attention.head_count_kv", heads)),
-            head_dim=int(get("attention.key_length", hidden // heads)),
+            head_dim=head_dim,
             rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
             rope_theta=float(get("rope.freq_base", 10000.0)),
-            max_position_embeddings=int(get("context_length", 4096)),
+            max_position_embeddings=max_pos,
             tie_word_embeddings=not has_output_tensor,
             qkv_bias=has_qkv_bias,
-            qk_norm=arch in ("qwen3", "gemma3"),
+            qk_norm=arch in ("qwen3", "gemma3", "qwen3moe"),
             rope_scaling=scaling,
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=() if eos is None else (int(eos),),
+            **moe,
             **(_gemma_gguf_fields(arch, get, layers, hidden, heads)
-               if arch in GEMMA_TYPES else {}),
+               if arch in GEMMA_TYPES else
+               {"layer_windows": (window,) * layers if 0 < window < max_pos
+                and arch == "phi3" else ()}),
         )
 
 

@@ -117,6 +117,8 @@ _GGUF_LAYER_NAMES = {
     "attn_output": "self_attn.o_proj",
     "attn_q_norm": "self_attn.q_norm",  # Qwen3
     "attn_k_norm": "self_attn.k_norm",
+    "attn_qkv": "self_attn.qkv_proj",  # Phi-3: fused in the file, in our row order
+    "ffn_gate_inp": "mlp.gate",  # the expert router (Mixtral as "llama", Qwen3-MoE)
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
@@ -138,16 +140,37 @@ _GGUF_GEMMA_LAYER_NAMES = {
 }
 
 
+# Phi-3 stores gate and up stacked in one "ffn_up" (HF's gate_up_proj order).
+_GGUF_PHI3_LAYER_NAMES = {**_GGUF_LAYER_NAMES, "ffn_up": "mlp.gate_up_proj"}
+# Stacked expert tensors [experts, rows, cols] -> the HF name of one expert's slice.
+_GGUF_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
+                      "ffn_down_exps": "down_proj"}
+
+
 def gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
     """Map a GGUF tensor name of architecture ``arch`` to the HF parameter name; None for
-    tensors that are not weights."""
+    tensors that are not weights (and for stacked expert tensors: see
+    :func:`gguf_expert_names`)."""
     if name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[name]
-    layer_names = _GGUF_GEMMA_LAYER_NAMES if arch in ("gemma2", "gemma3") else _GGUF_LAYER_NAMES
+    layer_names = (_GGUF_GEMMA_LAYER_NAMES if arch in ("gemma2", "gemma3")
+                   else _GGUF_PHI3_LAYER_NAMES if arch == "phi3" else _GGUF_LAYER_NAMES)
     parts = name.split(".")
     if len(parts) == 4 and parts[0] == "blk" and parts[2] in layer_names:
         return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{parts[3]}"
     return None
+
+
+def gguf_expert_names(name: str, num_experts: int) -> list[str] | None:
+    """HF names of the expert slices of a stacked GGUF expert tensor
+    (``blk.N.ffn_gate_exps.weight`` -> ``model.layers.N.mlp.experts.E.gate_proj.weight`` for
+    each E); None for other tensors."""
+    parts = name.split(".")
+    if len(parts) != 4 or parts[0] != "blk" or parts[2] not in _GGUF_EXPERT_NAMES:
+        return None
+    kind = _GGUF_EXPERT_NAMES[parts[2]]
+    return [f"model.layers.{parts[1]}.mlp.experts.{e}.{kind}.{parts[3]}"
+            for e in range(num_experts)]
 
 
 def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -180,15 +203,23 @@ def _load_gguf(path: str) -> LoadedModel:
     except Exception as exc:
         raise ModelLoadError(f"{path}: not a readable GGUF file ({exc})") from exc
     meta = _read_gguf_metadata(reader)
-    names = {t.name for t in reader.tensors}
-    arch = ArchConfig.from_gguf(meta, has_output_tensor="output.weight" in names,
-                                has_qkv_bias="blk.0.attn_q.bias" in names)
-    permuted = arch.model_type == "llama"  # llama.cpp permutes Q/K for its "llama" arch only
+    tensors = {t.name: t for t in reader.tensors}
 
     def dequantize(tensor) -> np.ndarray:
         arr = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
         # F32 tensors come back as read-only views of the memory-mapped file.
         return arr if arr.flags.writeable and arr.flags.c_contiguous else arr.copy()
+
+    longrope = None
+    if "rope_factors_long.weight" in tensors:
+        longrope = tuple(tuple(float(x) for x in dequantize(tensors[f"rope_factors_{k}.weight"]))
+                         for k in ("short", "long"))
+    sparse = tuple(sorted(int(n.split(".")[1]) for n in tensors
+                          if n.startswith("blk.") and n.endswith(".ffn_gate_inp.weight")))
+    arch = ArchConfig.from_gguf(meta, has_output_tensor="output.weight" in tensors,
+                                has_qkv_bias="blk.0.attn_q.bias" in tensors,
+                                sparse_layers=sparse, longrope_factors=longrope)
+    permuted = arch.model_type == "llama"  # llama.cpp permutes Q/K for its "llama" arch only
 
     rope_freqs = None
     for t in reader.tensors:
@@ -206,6 +237,11 @@ def _load_gguf(path: str) -> LoadedModel:
 
     def weights(keep_quantized: bool = False) -> Iterator[tuple[str, WeightTensor]]:
         for t in reader.tensors:
+            experts = gguf_expert_names(t.name, arch.num_experts)
+            if experts is not None:  # dense slices (quantized 3-D tensors are not packed)
+                stacked = torch.from_numpy(dequantize(t))
+                yield from zip(experts, stacked.unbind(0))
+                continue
             hf_name = gguf_to_hf_name(t.name, arch.model_type)
             if hf_name is None:
                 continue

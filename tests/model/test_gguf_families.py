@@ -1,6 +1,8 @@
-"""GGUF round trips for Qwen3 and Gemma 2/3: a tiny random HF model is written as a GGUF file
-the way llama.cpp's converter writes it (gguf-py's own tensor name map, Gemma norms stored as
-1 + w, window/soft-cap metadata, the default model's tokenizer), loaded back by our loader, and
+"""GGUF round trips for Qwen3, Gemma 2/3, Phi-3, Qwen3-MoE and Mixtral: a tiny random HF model
+is written as a GGUF file the way llama.cpp's converter writes it (gguf-py's own tensor name
+map, Gemma norms stored as 1 + w, Q/K rows permuted for the "llama" arch that Mixtral is stored
+as, experts stacked into [experts, rows, cols] tensors, Phi-3's LongRoPE factors as tensors,
+window/soft-cap metadata, the default model's tokenizer), loaded back by our loader, and
 compared with the HF model (fp32 logits within 1e-4); a Q8_0 copy goes through the quantized
 path and matches the same file read dequantized."""
 
@@ -16,7 +18,15 @@ from tests.helpers import hf_logits
 from tests.model.test_llama_vs_hf import Harness, _random_seqs
 
 ARCHES = {"qwen3": gguf.MODEL_ARCH.QWEN3, "gemma2": gguf.MODEL_ARCH.GEMMA2,
-          "gemma3": gguf.MODEL_ARCH.GEMMA3}
+          "gemma3": gguf.MODEL_ARCH.GEMMA3, "phi3": gguf.MODEL_ARCH.PHI3,
+          "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE, "mixtral": gguf.MODEL_ARCH.LLAMA}
+GGUF_ARCH = {"qwen3_moe": "qwen3moe", "mixtral": "llama"}
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's ``LlamaModel.permute`` (HF half-split RoPE rows -> interleaved pairs)."""
+    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
 
 
 def _copy_tokenizer(writer: gguf.GGUFWriter) -> None:
@@ -39,8 +49,9 @@ def write_gguf(hf, kind: str, path: str, qtype=gguf.GGMLQuantizationType.F32) ->
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
     rope = cfg.rope_parameters
@@ -53,6 +64,17 @@ def write_gguf(hf, kind: str, path: str, qtype=gguf.GGMLQuantizationType.F32) ->
         w.add_sliding_window_pattern(3)  # layers 0, 1, 3 windowed, as the HF layer_types
     else:
         w.add_rope_freq_base(rope["rope_theta"])
+    if kind == "phi3":  # LongRoPE: factors as tensors, the original length as metadata
+        w.add_rope_dimension_count(head_dim)
+        w.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
+        for which in ("short", "long"):
+            w.add_tensor(f"rope_factors_{which}.weight",
+                         np.asarray(rope[f"{which}_factor"], dtype=np.float32))
+    if kind in ("qwen3_moe", "mixtral"):
+        w.add_expert_count(cfg.num_local_experts if kind == "mixtral" else cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        if kind == "qwen3_moe":
+            w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     if kind == "gemma2":
         w.add_sliding_window(cfg.sliding_window)
         w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
@@ -62,11 +84,27 @@ def write_gguf(hf, kind: str, path: str, qtype=gguf.GGMLQuantizationType.F32) ->
     for name, t in hf.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
+        if ".mlp.experts." in name:  # transformers 5 keeps experts stacked already
+            layer = name.split(".")[2]
+            data = t.float().numpy()
+            if name.endswith("gate_up_proj"):
+                half = data.shape[1] // 2
+                w.add_tensor(f"blk.{layer}.ffn_gate_exps.weight", data[:, :half].copy())
+                w.add_tensor(f"blk.{layer}.ffn_up_exps.weight", data[:, half:].copy())
+            else:
+                w.add_tensor(f"blk.{layer}.ffn_down_exps.weight", data.copy())
+            continue
+        if name.endswith("mlp.gate.weight"):
+            w.add_tensor(f"blk.{name.split('.')[2]}.ffn_gate_inp.weight", t.float().numpy())
+            continue
         gname = names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gname is not None, name
         data = t.float().numpy()
         if kind.startswith("gemma") and name.endswith("norm.weight"):
             data = data + 1.0  # llama.cpp's converter stores Gemma's (1 + w)
+        if kind == "mixtral" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            data = _permute(data, cfg.num_attention_heads if "q_proj" in name
+                            else cfg.num_key_value_heads)
         if qtype != gguf.GGMLQuantizationType.F32 and data.ndim == 2 \
                 and gname != "token_embd.weight":
             w.add_tensor(gname, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
@@ -80,13 +118,18 @@ def write_gguf(hf, kind: str, path: str, qtype=gguf.GGMLQuantizationType.F32) ->
 
 @pytest.mark.parametrize("kind", list(ARCHES))
 def test_gguf_round_trip_matches_hf(make_tiny_model, tmp_path, kind):
-    # GGUF has no query_pre_attn_scalar: llama.cpp uses head_dim (all but the 27B models)
-    _, hf = make_tiny_model(kind, **({} if kind == "qwen3" else {"query_pre_attn_scalar": 32}))
+    # GGUF has no query_pre_attn_scalar (llama.cpp uses head_dim but for the 27B models), and
+    # llama.cpp's qwen3moe has no dense layers
+    extra = ({"query_pre_attn_scalar": 32} if kind.startswith("gemma")
+             else {"mlp_only_layers": ()} if kind == "qwen3_moe" else {})
+    _, hf = make_tiny_model(kind, **extra)
     path = str(tmp_path / f"{kind}.gguf")
     write_gguf(hf, kind, path)
     loaded = load_model(path)
-    assert loaded.arch.model_type == kind
-    if kind != "qwen3":
+    assert loaded.arch.model_type == GGUF_ARCH.get(kind, kind)
+    if kind in ("qwen3_moe", "mixtral"):
+        assert loaded.arch.num_experts == 4 and loaded.arch.sparse_layers
+    if kind.startswith("gemma"):
         assert any(loaded.arch.layer_windows) and loaded.arch.norm_offset == 0.0
     seqs = _random_seqs([5, 40], seed=11)
     h = Harness(path)
