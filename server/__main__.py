@@ -21,6 +21,7 @@ from server.config import (
     EngineConfig,
     HTTPConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
 )
 
@@ -81,6 +82,13 @@ def build_parser() -> argparse.ArgumentParser:
       "pid is gone (set by launchers such as sgl.Runtime, so the server dies with them)")
     a("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     a("--seed", type=int, default=0, help="seed of the sampler for unseeded requests")
+    a("--tp-size", type=int, default=1, help="tensor parallelism: split every layer over this "
+      "many ranks (processes; torch.distributed, gloo on CPU, NCCL on GPUs)")
+    a("--nnodes", type=int, default=1, help="machines taking part in tensor parallelism")
+    a("--node-rank", type=int, default=0, help="this machine's index; node 0 serves HTTP, the "
+      "others only compute (start them with the same --model and --tp-size)")
+    a("--dist-init-addr", default=None, help="host:port of node 0's torch.distributed "
+      "rendezvous (needed with --nnodes > 1)")
     return p
 
 
@@ -100,6 +108,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, HTTPConfi
                                   chunked_prefill_size=args.chunked_prefill_size,
                                   schedule_policy=args.schedule_policy,
                                   disable_jump_forward=args.disable_jump_forward),
+        parallel=ParallelConfig(tp_size=args.tp_size, nnodes=args.nnodes,
+                                node_rank=args.node_rank, dist_init_addr=args.dist_init_addr),
         seed=args.seed)
     http = HTTPConfig(host=args.host, port=args.port, api_key=args.api_key,
                       max_queued_requests=args.max_queued_requests,
@@ -117,6 +127,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if engine.parallel.node_rank > 0:  # a compute-only node of a multi-node group
+        from server.model.tp_worker import serve_node
+
+        return serve_node(engine.parallel, args.device, args.log_level)
     from server.launch import serve  # heavy imports (torch, uvicorn) only when serving
 
     return asyncio.run(serve(engine, http))

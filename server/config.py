@@ -161,12 +161,52 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism (:mod:`server.model.parallel`).
+
+    Attributes:
+        tp_size: ranks that split every layer (one process each; rank 0 runs the scheduler).
+        nnodes, node_rank: machines taking part and this one's index; each runs
+            ``tp_size / nnodes`` ranks (node 0 serves HTTP, the others only compute).
+        dist_init_addr: "host:port" of the torch.distributed TCP rendezvous (rank 0 listens
+            there); None = a free port on 127.0.0.1 (one node).
+        timeout: seconds a collective may wait for a peer before the server gives up.
+    """
+
+    tp_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
+    timeout: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.tp_size < 1:
+            raise ConfigError(f"tp_size must be >= 1, got {self.tp_size}")
+        if self.nnodes < 1 or self.tp_size % self.nnodes:
+            raise ConfigError(f"nnodes ({self.nnodes}) must divide tp_size ({self.tp_size})")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ConfigError("dist_init_addr (host:port of node 0) is needed with nnodes > 1")
+        if self.dist_init_addr is not None and not re.fullmatch(r"[^:\s]+:\d+",
+                                                                 self.dist_init_addr):
+            raise ConfigError(f"dist_init_addr must be host:port, got {self.dist_init_addr!r}")
+
+    @property
+    def local_ranks(self) -> range:
+        """The global ranks this node runs."""
+        per = self.tp_size // self.nnodes
+        return range(self.node_rank * per, (self.node_rank + 1) * per)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything an :class:`server.engine.Engine` (and later the scheduler process) needs."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     seed: int = 0
 
     @classmethod
@@ -180,7 +220,7 @@ class EngineConfig:
             kwargs["path"] = kwargs.pop("model")
         parts = {}
         for name, klass in (("model", ModelConfig), ("cache", CacheConfig),
-                            ("scheduler", SchedulerConfig)):
+                            ("scheduler", SchedulerConfig), ("parallel", ParallelConfig)):
             names = {f.name for f in dataclasses.fields(klass)}
             parts[name] = klass(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
         seed = kwargs.pop("seed", 0)
@@ -230,6 +270,12 @@ def resolve(config: EngineConfig, *, kv_elements_per_token: int, model_context_l
             raise ConfigError(f"quantization {model.quantization!r} runs on CPU only (torch's "
                               "packed CPU matmuls); use 'none' or 'auto' on CUDA")
         model = dataclasses.replace(model, quantization="none")
+    if config.parallel.tp_size > 1:  # ranks shard dense weights (packed int4 rows/columns
+        if model.quantization in ("int4", "int8"):  # are not split across ranks)
+            raise ConfigError("quantization with tp_size > 1 is not supported; use 'none'")
+        if model.torch_compile:
+            raise ConfigError("torch_compile with tp_size > 1 is not supported")
+        model = dataclasses.replace(model, quantization="none", disable_cuda_graph=True)
     if model.dtype == "auto":
         bf16 = model.device.startswith("cuda") or cpu_native_bf16
         model = dataclasses.replace(model, dtype="bfloat16" if bf16 else "float32")

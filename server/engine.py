@@ -18,16 +18,31 @@ import dataclasses
 import uuid
 from typing import Any, Iterator, Mapping, Sequence
 
+import torch
+
 from kernels import cpu_has_native_bf16
 from server.cache.kv_pool import TokenKVPool
 from server.cache.manager import CacheManager
 from server.cache.radix_tree import RadixCache
 from server.cache.req_table import ReqToTokenTable
-from server.config import EngineConfig, resolve
+from server.config import ConfigError, EngineConfig, resolve
 from server.constrained.grammar import GrammarCompiler
 from server.constrained.reasoning import ReasoningGatedMatcher
 from server.detokenizer import OutputText
 from server.model.loader import load_model
+from server.model.parallel import TPGroup, TPShard
+from server.model.tp_worker import (
+    TensorParallelError,
+    device_of,
+    free_init_addr,
+    heartbeat,
+    init_process_group,
+    leave_process_group,
+    send_batch,
+    share_config,
+    start_local_workers,
+    threads_per_rank,
+)
 from server.model.runner import ModelRunner
 from server.model.sampling import Sampler, SamplingParams
 from server.scheduler.outputs import TokenDelta
@@ -73,8 +88,10 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         self.model_name = mc.served_model_name or loaded.name
         self.context_len = mc.context_length
+        self.tp, self.tp_workers = self._start_tensor_parallel(loaded.arch)
         self.kv_pool = TokenKVPool(cc.max_total_tokens, loaded.arch.num_layers,
-                                   loaded.arch.num_kv_heads, loaded.arch.head_dim,
+                                   len(self.tp.shard.kv_heads) if self.tp
+                                   else loaded.arch.num_kv_heads, loaded.arch.head_dim,
                                    dtype=mc.torch_dtype, device=mc.device)
         self.req_table = ReqToTokenTable(sc.max_running_requests, self.context_len, mc.device)
         self.runner = ModelRunner(loaded, self.kv_pool, dtype=mc.torch_dtype, device=mc.device,
@@ -87,7 +104,7 @@ class Engine:
                                   cuda_graph_max_bs=(0 if mc.disable_cuda_graph else
                                                      min(mc.cuda_graph_max_bs,
                                                          sc.max_running_requests)),
-                                  req_to_token=self.req_table.table)
+                                  req_to_token=self.req_table.table, tp=self.tp)
         self.cache = CacheManager(self.kv_pool, self.req_table,
                                   RadixCache(disabled=cc.disable_radix_cache))
         self.scheduler = Scheduler(sc, self.cache, vocab_size=loaded.arch.vocab_size,
@@ -97,6 +114,49 @@ class Engine:
         self._grammars: GrammarCompiler | None = None
         if self.runner.compiled:
             self._warm_up()
+
+    def _start_tensor_parallel(self, arch) -> tuple[TPGroup | None, list]:
+        """With ``parallel.tp_size`` > 1: spawn this node's other ranks, join the group as rank
+        0, share the resolved config, and give this process its share of the cores. Raises
+        ConfigError (not node 0), UnsupportedModelError (heads that cannot be split)."""
+        pc, mc = self.config.parallel, self.config.model
+        if pc.tp_size == 1:
+            return None, []
+        if pc.node_rank != 0:
+            raise ConfigError("the engine runs on node 0; start other nodes with "
+                              "`python -m server --node-rank N ...`")
+        shards = [TPShard.plan(arch, r, pc.tp_size) for r in range(pc.tp_size)]
+        addr = pc.dist_init_addr or free_init_addr()
+        workers = start_local_workers(pc, addr, "cuda" if mc.device.startswith("cuda")
+                                      else "cpu")
+        init_process_group(pc, 0, addr, device_of(mc.device, pc, 0), workers)
+        share_config(self.config)
+        torch.set_num_threads(threads_per_rank(pc))
+        return TPGroup(shards[0]), workers
+
+    def check_parallel(self) -> None:
+        """Between steps: raise TensorParallelError if a tensor-parallel rank died (one of
+        this node's processes, or any rank, through the idle heartbeat)."""
+        if self.tp is None:
+            return
+        for p in self.tp_workers:
+            if not p.is_alive():
+                raise TensorParallelError(f"tensor-parallel rank process {p.name} exited "
+                                          f"(code {p.exitcode}); stopping")
+        heartbeat(self.tp)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks and leave the process group (idempotent; nothing to
+        do without them)."""
+        if self.tp is None:
+            return
+        if all(p.is_alive() for p in self.tp_workers):
+            send_batch(self.tp, None)
+            for p in self.tp_workers:
+                p.join(30)
+        self.tp_workers = []
+        leave_process_group()
+        self.tp = None
 
     def _warm_up(self) -> None:
         """Compile (or load from the cache) the graphs of a multi-token extend and a one-token

@@ -63,7 +63,7 @@ async def serve(engine_config: EngineConfig, http: HTTPConfig) -> int:
     recv.bind(from_sched)
     proc = mp.get_context("spawn").Process(
         target=run_scheduler, args=(engine_config, to_sched, from_sched, http.log_level),
-        name="sgl-scheduler", daemon=True)
+        name="sgl-scheduler")  # not a daemon: it may start tensor-parallel ranks
     proc.start()
     exit_code = 0
     try:

@@ -26,6 +26,7 @@ from server.model.compiled import attention
 from server.model.config import ArchConfig
 from server.model.moe import SparseMoE, expert_target
 from server.model.quantization import QuantEmbedding, QuantizedWeight
+from server.model.parallel import TPGroup
 from server.model.rope import rope_tables
 from server.model.weight_loading import QuantReport, WeightLoadError, load_weights
 
@@ -36,9 +37,13 @@ _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu,
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ArchConfig, layer_id: int):
+    """One block. ``arch`` holds this rank's head and intermediate counts under tensor
+    parallelism (``tp``: the o_proj and down_proj outputs are then summed over the ranks)."""
+
+    def __init__(self, arch: ArchConfig, layer_id: int, tp: TPGroup | None = None):
         super().__init__()
         self.layer_id = layer_id
+        self.tp = tp
         self.num_heads, self.num_kv_heads, self.head_dim = (arch.num_heads, arch.num_kv_heads,
                                                             arch.head_dim)
         self.eps = arch.rms_norm_eps
@@ -89,6 +94,8 @@ class DecoderLayer(nn.Module):
         o = attention(attn, attn_id, self.layer_id, q, k, v, self.scale, self.window,
                       self.softcap)
         o = self.o_proj(o.reshape(t, -1))
+        if self.tp is not None:
+            o = self.tp.all_reduce(o)
         if self.sandwich:
             x = x + attn.rms_norm(o, self.post_attention_layernorm, self.eps)
             h = attn.rms_norm(x, self.pre_feedforward_layernorm, self.eps)
@@ -99,23 +106,31 @@ class DecoderLayer(nn.Module):
             return x + self.moe(h)
         gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
         out = self.down_proj(self.act(gate) * up)
+        if self.tp is not None:
+            out = self.tp.all_reduce(out)
         if self.sandwich:
             out = attn.rms_norm(out, self.post_feedforward_layernorm, self.eps)
         return x + out
 
 
 class LlamaForCausalLM(nn.Module):
-    """Args: arch; max_positions (size of the RoPE table, tokens); rope_freq_factors (GGUF)."""
+    """Args: arch; max_positions (size of the RoPE table, tokens); rope_freq_factors (GGUF);
+    tp: this rank's :class:`server.model.parallel.TPGroup` under tensor parallelism (layers
+    hold its heads and columns, the embedding and lm_head its vocabulary rows)."""
 
     def __init__(self, arch: ArchConfig, max_positions: int,
-                 rope_freq_factors: torch.Tensor | None = None):
+                 rope_freq_factors: torch.Tensor | None = None, tp: TPGroup | None = None):
         super().__init__()
         self.arch = arch
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
+        self.tp = tp
+        self.layer_arch = arch if tp is None else tp.shard.local_arch(arch)
+        vocab = arch.vocab_size if tp is None else len(tp.shard.vocab)
+        self.embed_tokens = nn.Embedding(vocab, arch.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(self.layer_arch, i, tp)
+                                    for i in range(arch.num_layers))
         self.norm = nn.Parameter(torch.ones(arch.hidden_size))
         self.lm_head = (None if arch.tie_word_embeddings
-                        else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False))
+                        else nn.Linear(arch.hidden_size, vocab, bias=False))
         self.max_positions = max_positions
         self.rope_freq_factors = rope_freq_factors
         self.init_rope_cache()
@@ -138,7 +153,8 @@ class LlamaForCausalLM(nn.Module):
                 attn: AttentionBackend, attn_id: int | None = None) -> torch.Tensor:
         """input_ids, positions: [T] int64. Returns final-normed hidden states [T, hidden].
         ``attn_id``: the backend's id in :mod:`server.model.compiled` when compiled."""
-        x = self.embed_tokens(input_ids)
+        x = (self.embed_tokens(input_ids) if self.tp is None
+             else self.tp.embed(self.embed_tokens, input_ids))
         if self.arch.embed_scale != 1.0:  # Gemma: the scale is rounded to x's dtype first
             x = x * torch.tensor(self.arch.embed_scale, dtype=x.dtype)
         cos = self.cos_cache[positions].to(x.dtype)
@@ -159,13 +175,15 @@ class LlamaForCausalLM(nn.Module):
             logits = self.embed_tokens.as_linear(hidden).float()
         else:
             logits = F.linear(hidden, self.embed_tokens.weight).float()
+        if self.tp is not None:
+            logits = self.tp.gather_logits(logits, self.arch.vocab_size)
         cap = self.arch.final_logit_softcap
         return torch.tanh(logits / cap) * cap if cap else logits
 
     def param_target(self, name: str) -> tuple[str, int, int | None] | None:
         """Where the HF tensor ``name`` goes: (our parameter, first row, rows), or None to skip.
         Q/K/V and gate/up rows are stacked into the fused projections."""
-        a = self.arch
+        a = self.layer_arch
         q, kv, inter = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.intermediate_size
         name = _text_model_name(name)
         if name is None:  # a vision tower or projector of a multimodal checkpoint
@@ -208,6 +226,9 @@ class LlamaForCausalLM(nn.Module):
         if self.arch.norm_offset:
             offset = self.arch.norm_offset
             weights = ((n, w + offset if n.endswith("norm.weight") else w) for n, w in weights)
+        if self.tp is not None:  # this rank's rows / columns of each (dense) tensor
+            shard, arch = self.tp.shard, self.arch
+            weights = ((n, shard.shard(n, w, arch)) for n, w in weights)
         report = load_weights(self, weights, self.param_target, dtype=dtype, device=device,
                               quantization=quantization, dense_min_rows=dense_min_rows)
         self.init_rope_cache()

@@ -20,6 +20,8 @@ from server.model.cuda_graph import CudaGraphRunner
 from server.model.forward_batch import ForwardBatch, ForwardMode, RunnerOutput
 from server.model.llama import LlamaForCausalLM
 from server.model.loader import LoadedModel
+from server.model.parallel import TPGroup
+from server.model.tp_worker import TensorParallelError, send_batch
 
 
 class ModelRunner:
@@ -38,6 +40,9 @@ class ModelRunner:
         cuda_graph_max_bs: on CUDA with a backend that supports it, decode batches up to this
             size replay captured CUDA graphs (:mod:`server.model.cuda_graph`); 0 = eager.
         req_to_token: the request table [R, max_context] int64 (needed for CUDA graphs).
+        tp: this rank's :class:`server.model.parallel.TPGroup` under tensor parallelism; rank
+            0 broadcasts each batch to the other ranks before running it
+            (:mod:`server.model.tp_worker`).
         dense_prefill_rows: quantized linears keep a dense bf16 copy for extend passes of at
             least this many tokens (:class:`server.model.quantization.QuantLinear`); None = off.
     """
@@ -47,7 +52,7 @@ class ModelRunner:
                  quantization: str = "none", compile: bool = False,
                  compile_cache_dir: str | None = DEFAULT_CACHE_DIR,
                  dense_prefill_rows: int | None = None, cuda_graph_max_bs: int = 0,
-                 req_to_token: torch.Tensor | None = None):
+                 req_to_token: torch.Tensor | None = None, tp: TPGroup | None = None):
         arch = loaded.arch
         if len(kv_pool.k_buffers) != arch.num_layers:
             raise ValueError(f"KV pool has {len(kv_pool.k_buffers)} layers, model {arch.num_layers}")
@@ -56,7 +61,8 @@ class ModelRunner:
         # Build on the meta device: each parameter is allocated (in ``dtype``) or packed
         # quantized when its tensor arrives, so no float copy of a quantized weight is held.
         with torch.device("meta"):
-            model = LlamaForCausalLM(arch, max_positions, loaded.rope_freq_factors)
+            model = LlamaForCausalLM(arch, max_positions, loaded.rope_freq_factors, tp)
+        self.tp = tp
         keep = quantization != "none"
         with torch.no_grad():
             self.quant_report = model.load_weights(loaded.weights(keep_quantized=keep),
@@ -67,6 +73,7 @@ class ModelRunner:
         self.kv_pool = kv_pool
         self.attention = create_attention_backend(attention_backend, kv_pool.k_buffers,
                                                   kv_pool.v_buffers, windowed=arch.windowed)
+        compile = compile and tp is None
         self.compiled = compile and self.device.type == "cpu"
         self._hidden = self._eager_hidden
         if self.compiled:
@@ -84,7 +91,7 @@ class ModelRunner:
 
             self.graphs = CudaGraphRunner(
                 decode_logits, self.attention, req_to_token, max_bs=cuda_graph_max_bs,
-                num_q_heads=arch.num_heads, scale=arch.head_dim ** -0.5, dtype=dtype,
+                num_q_heads=arch.num_heads, scale=arch.attention_scale, dtype=dtype,
                 # page indices of one step: shared prefixes count once per sequence
                 max_kv_tokens=cuda_graph_max_bs * req_to_token.shape[1])
 
@@ -106,6 +113,16 @@ class ModelRunner:
         Returns logits [len(batch.logits_indices), vocab] float32 on the model's device (a
         decode step on CUDA replays a captured graph when one fits the batch).
         """
+        if self.tp is not None and self.tp.shard.rank == 0:
+            send_batch(self.tp, batch)
+            try:
+                return self._forward(batch)
+            except Exception as exc:  # noqa: BLE001 - a collective failed: a rank is gone
+                raise TensorParallelError(f"tensor parallelism: a rank is gone ({exc}); "
+                                          "stopping") from exc
+        return self._forward(batch)
+
+    def _forward(self, batch: ForwardBatch) -> RunnerOutput:
         dev = self.device
         if (self.graphs is not None and batch.mode is ForwardMode.DECODE
                 and batch.batch_size <= self.graphs.max_bs):

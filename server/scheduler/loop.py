@@ -195,6 +195,7 @@ class SchedulerLoop:
         parent = os.getppid()
         while os.getppid() == parent:
             self.run_once()
+            self.engine.check_parallel()  # a dead tensor-parallel rank stops the server
         log.error("the HTTP process is gone; the scheduler exits")
 
 

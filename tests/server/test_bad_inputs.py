@@ -199,7 +199,10 @@ def test_duplicate_request_id_rejected(healthy):
             "max_new_tokens": 200, "ignore_eos": True}}
         t = threading.Thread(target=lambda: healthy.client().post(GEN, json=slow))
         t.start()
-        time.sleep(0.3)
+        deadline = time.monotonic() + 30  # until the first one runs (not a fixed sleep)
+        while c.get("/server_info").json()["metrics"]["running_requests"] == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
         resp = c.post(GEN, json={"text": "again", "rid": "dup-1"})
         t.join()
     check_error(resp, 400, "rid")
