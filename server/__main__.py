@@ -87,6 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
     a("--nnodes", type=int, default=1, help="machines taking part in tensor parallelism")
     a("--node-rank", type=int, default=0, help="this machine's index; node 0 serves HTTP, the "
       "others only compute (start them with the same --model and --tp-size)")
+    a("--dp-size", type=int, default=1, help="data parallelism: this many server replicas "
+      "(each on its share of the cores) behind the cache-aware router on --host/--port")
+    a("--router-policy", default="cache_aware", choices=("cache_aware", "round_robin",
+                                                         "least_load"),
+      help="how the --dp-size router picks a replica")
     a("--dist-init-addr", default=None, help="host:port of node 0's torch.distributed "
       "rendezvous (needed with --nnodes > 1)")
     return p
@@ -127,6 +132,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.dp_size > 1:
+        from server.router.dp import serve_data_parallel
+
+        return serve_data_parallel(list(sys.argv[1:] if argv is None else argv), args.dp_size,
+                                   args.host, args.port, args.router_policy, args.log_level)
     if engine.parallel.node_rank > 0:  # a compute-only node of a multi-node group
         from server.model.tp_worker import serve_node
 

@@ -1,0 +1,332 @@
+"""The data-parallel router: one HTTP front for several servers (workers), passing the native
+and OpenAI APIs through (streams included) to the worker a policy picks
+(:mod:`server.router.policy`).
+
+* Health: every ``health_interval`` seconds each worker's ``/health`` is polled; a worker that
+  fails it, refuses a connection or breaks a stream is taken out until it answers again.
+* Failover: a request whose worker cannot be reached, or answers 503 (overloaded, draining),
+  goes to another worker before any byte of the response is sent; a 503 also backs the worker
+  off for its ``Retry-After``. A stream that breaks after it started ends with an SSE error
+  event and ``[DONE]`` (the client knows; nothing is replayed).
+* Workers can be listed, added and removed at run time (``GET/POST/DELETE /workers``), and
+  ``/metrics`` merges every worker's Prometheus metrics under a ``worker`` label with the
+  router's own.
+
+HTTP comes from FastAPI/uvicorn and httpx; metrics from prometheus-client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from server.router.policy import WorkerState, make_policy
+from server.router.tree import PrefixTree
+
+log = logging.getLogger("server.router")
+ROUTED_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
+DEFAULT_CAPACITY_TOKENS = 65536
+
+
+@dataclass
+class Worker(WorkerState):
+    healthy: bool = True
+    backoff_until: float = 0.0  # time.monotonic() before which a 503-ing worker is skipped
+    capacity_tokens: int = DEFAULT_CAPACITY_TOKENS
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def available(self) -> bool:
+        return self.healthy and time.monotonic() >= self.backoff_until
+
+
+def request_key(path: str, body: dict[str, Any]) -> str:
+    """The text a request's prefix is matched on: the prompt, or the chat rendered in order
+    (roles and contents; tools first), or token ids written out."""
+    if path == "/v1/chat/completions":
+        parts = [json.dumps(body.get("tools"), sort_keys=True)] if body.get("tools") else []
+        for m in body.get("messages") or []:
+            content = m.get("content") if isinstance(m, dict) else None
+            if isinstance(content, list):
+                content = "".join(p.get("text") or "" for p in content if isinstance(p, dict))
+            parts.append(f"<{m.get('role') if isinstance(m, dict) else ''}>{content or ''}")
+        return "\n".join(parts)
+    prompt = body.get("text") if path == "/generate" else body.get("prompt")
+    if prompt is None and path == "/generate":
+        prompt = body.get("input_ids")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
+        prompt = prompt[0]  # a batch goes where its first prompt goes
+    if isinstance(prompt, list):
+        return ",".join(str(t) for t in prompt) + ","
+    return prompt if isinstance(prompt, str) else ""
+
+
+class Router:
+    """Args: worker_urls; policy ("cache_aware", "round_robin", "least_load");
+    chars_per_token: how a worker's KV capacity (tokens) becomes its tree's (characters);
+    health_interval: seconds between health polls; timeout: seconds a worker may take to
+    answer (streams: between chunks); parent_pid: stop once that process is gone."""
+
+    def __init__(self, worker_urls: list[str], policy: str = "cache_aware",
+                 chars_per_token: float = 4.0, health_interval: float = 2.0,
+                 timeout: float = 600.0, parent_pid: int | None = None):
+        self.parent_pid = parent_pid
+        self.policy = make_policy(policy)
+        self.chars_per_token = chars_per_token
+        self.health_interval = health_interval
+        self.workers: dict[str, Worker] = {}
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5.0))
+        self.registry = CollectorRegistry()
+        self.routed = Counter("router_requests", "requests sent to each worker", ["worker"],
+                              registry=self.registry)
+        self.failovers = Counter("router_failovers", "requests moved to another worker "
+                                 "before their response started", registry=self.registry)
+        self.worker_metrics = _WorkerMetrics()
+        self.registry.register(self.worker_metrics)
+        for url in worker_urls:
+            self.add(url)
+
+    # ---------------------------------------------------------------- membership
+    def add(self, url: str) -> Worker:
+        url = url.rstrip("/")
+        if url not in self.workers:
+            self.workers[url] = Worker(url, PrefixTree(self._capacity(DEFAULT_CAPACITY_TOKENS)))
+        return self.workers[url]
+
+    def remove(self, url: str) -> bool:
+        return self.workers.pop(url.rstrip("/"), None) is not None
+
+    def _capacity(self, tokens: int) -> int:
+        return int(tokens * self.chars_per_token)
+
+    # ---------------------------------------------------------------- health
+    async def check(self, worker: Worker) -> None:
+        try:
+            ok = (await self.client.get(worker.url + "/health", timeout=5.0)).status_code == 200
+            if ok and worker.capacity_tokens == DEFAULT_CAPACITY_TOKENS:
+                info = (await self.client.get(worker.url + "/server_info", timeout=5.0)).json()
+                worker.capacity_tokens = int(info.get("max_total_tokens")
+                                             or DEFAULT_CAPACITY_TOKENS)
+                worker.tree.capacity = self._capacity(worker.capacity_tokens)
+        except (httpx.HTTPError, ValueError):
+            ok = False
+        if ok != worker.healthy:
+            log.warning("worker %s is %s", worker.url, "back" if ok else "out (health check)")
+        worker.healthy = ok
+
+    async def health_loop(self) -> None:
+        while True:
+            if self.parent_pid is not None and os.getppid() != self.parent_pid:
+                log.error("the process that started the router is gone; shutting down")
+                os.kill(os.getpid(), signal.SIGTERM)  # uvicorn's graceful shutdown
+                return
+            await asyncio.gather(*(self.check(w) for w in list(self.workers.values())))
+            await asyncio.sleep(self.health_interval)
+
+    # ---------------------------------------------------------------- routing
+    def pick(self, key: str, exclude: set[str]) -> Worker | None:
+        candidates = [w for w in self.workers.values() if w.available and w.url not in exclude]
+        if not candidates:
+            return None
+        worker = self.policy.pick(candidates, key)
+        worker.tree.insert(key)
+        return worker
+
+    async def forward(self, path: str, body: dict[str, Any], headers: dict[str, str]):
+        """Send the request to a worker (failing over before the response starts); returns
+        the FastAPI response."""
+        key = request_key(path, body)
+        tried: set[str] = set()
+        stream = bool(body.get("stream"))
+        while True:
+            worker = self.pick(key, tried)
+            if worker is None:
+                return _error(503, "no worker is available" + (f" (tried {len(tried)})"
+                                                               if tried else ""))
+            tried.add(worker.url)
+            self.routed.labels(worker.url).inc()
+            worker.in_flight += 1
+            try:
+                req = self.client.build_request("POST", worker.url + path, json=body,
+                                                headers=headers)
+                resp = await self.client.send(req, stream=True)
+            except httpx.HTTPError as exc:
+                worker.in_flight -= 1
+                worker.healthy = False
+                log.warning("worker %s unreachable (%s); taken out", worker.url, exc)
+                self.failovers.inc()
+                continue
+            if resp.status_code == 503:
+                retry = float(resp.headers.get("retry-after") or 1)
+                worker.backoff_until = time.monotonic() + retry
+                await resp.aclose()
+                worker.in_flight -= 1
+                self.failovers.inc()
+                continue
+            if stream and resp.status_code == 200:
+                return StreamingResponse(self._relay(worker, resp), status_code=200,
+                                         media_type=resp.headers.get("content-type"))
+            try:
+                content = await resp.aread()
+            except httpx.HTTPError as exc:  # nothing reached the client yet: fail over
+                worker.healthy = False
+                log.warning("worker %s failed mid-response (%s); taken out", worker.url, exc)
+                self.failovers.inc()
+                continue
+            finally:
+                await resp.aclose()
+                worker.in_flight -= 1
+            return Response(content, status_code=resp.status_code,
+                            media_type=resp.headers.get("content-type"))
+
+    async def _relay(self, worker: Worker, resp: httpx.Response) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in resp.aiter_raw():
+                yield chunk
+        except httpx.HTTPError as exc:
+            worker.healthy = False
+            log.warning("worker %s broke a stream (%s); taken out", worker.url, exc)
+            err = {"error": {"message": f"the worker serving this stream failed: {exc}",
+                             "type": "server_error", "param": None, "code": "unavailable"}}
+            yield f"\n\ndata: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
+        finally:
+            await resp.aclose()
+            worker.in_flight -= 1
+
+
+class _WorkerMetrics:
+    """prometheus-client collector: the workers' last scraped metrics, with a worker label."""
+
+    def __init__(self) -> None:
+        self.families: list = []
+
+    def collect(self):
+        return iter(self.families)
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": "server_error", "param": None,
+                                   "code": "unavailable" if status == 503 else str(status)}},
+                        status_code=status, headers={"Retry-After": "1"} if status == 503
+                        else None)
+
+
+def create_router_app(router: Router) -> FastAPI:
+    """The FastAPI app of ``router`` (health polling starts with the app)."""
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await asyncio.gather(*(router.check(w) for w in list(router.workers.values())))
+        health = asyncio.get_running_loop().create_task(router.health_loop())
+        yield
+        health.cancel()
+        await router.client.aclose()
+
+    app = FastAPI(title="sgl-adapters router", lifespan=lifespan)
+
+    for path in ROUTED_PATHS:
+        async def route(request: Request, path: str = path):
+            try:
+                body = await request.json()
+            except ValueError:
+                return JSONResponse({"error": {"message": "the body is not valid JSON",
+                                               "type": "invalid_request_error", "param": None,
+                                               "code": "invalid_request"}}, status_code=400)
+            if not isinstance(body, dict):
+                return JSONResponse({"error": {"message": "the body must be a JSON object",
+                                               "type": "invalid_request_error", "param": None,
+                                               "code": "invalid_request"}}, status_code=400)
+            auth = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+            return await router.forward(path, body, auth)
+        app.post(path)(route)
+
+    @app.get("/health")
+    async def health():
+        if any(w.available for w in router.workers.values()):
+            return {"status": "ok", "workers": sum(w.healthy for w in router.workers.values())}
+        return _error(503, "no healthy worker")
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        for w in router.workers.values():
+            if w.available:
+                r = await router.client.get(w.url + "/v1/models", headers={
+                    k: v for k, v in request.headers.items() if k.lower() == "authorization"})
+                return Response(r.content, r.status_code, media_type="application/json")
+        return _error(503, "no healthy worker")
+
+    @app.get("/workers")
+    async def list_workers():
+        return {"workers": [{"url": w.url, "healthy": w.healthy, "in_flight": w.in_flight,
+                             "tree_chars": w.tree.size, "capacity_tokens": w.capacity_tokens}
+                            for w in router.workers.values()]}
+
+    @app.post("/workers")
+    async def add_worker(request: Request):
+        body = await request.json()
+        url = body.get("url") if isinstance(body, dict) else None
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            return JSONResponse({"error": {"message": "give {'url': 'http://host:port'}",
+                                           "type": "invalid_request_error", "param": "url",
+                                           "code": "invalid_request"}}, status_code=400)
+        await router.check(router.add(url))
+        return {"added": url.rstrip("/")}
+
+    @app.delete("/workers")
+    async def remove_worker(url: str):
+        if not router.remove(url):
+            return JSONResponse({"error": {"message": f"no worker {url}", "type":
+                                           "invalid_request_error", "param": "url",
+                                           "code": "not_found"}}, status_code=404)
+        return {"removed": url.rstrip("/")}
+
+    @app.post("/flush_cache")
+    async def flush_cache():
+        results = {}
+        for w in list(router.workers.values()):
+            try:
+                results[w.url] = (await router.client.post(w.url + "/flush_cache")).status_code
+            except httpx.HTTPError:
+                results[w.url] = None
+            w.tree = PrefixTree(w.tree.capacity)
+        return {"flushed": results}
+
+    @app.get("/metrics")
+    async def metrics():
+        families = []
+        for w in list(router.workers.values()):
+            try:
+                text = (await router.client.get(w.url + "/metrics", timeout=5.0)).text
+            except httpx.HTTPError:
+                continue
+            for fam in text_string_to_metric_families(text):
+                fam.samples = [s._replace(labels={**s.labels, "worker": w.url})
+                               for s in fam.samples]
+                families.append(fam)
+        router.worker_metrics.families = _merge(families)
+        return Response(generate_latest(router.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _merge(families: list) -> list:
+    """One family per metric name (the workers' samples together)."""
+    merged: dict[str, Any] = {}
+    for fam in families:
+        if fam.name in merged:
+            merged[fam.name].samples.extend(fam.samples)
+        else:
+            merged[fam.name] = fam
+    return list(merged.values())
