@@ -136,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         from server.router.dp import serve_data_parallel
 
         return serve_data_parallel(list(sys.argv[1:] if argv is None else argv), args.dp_size,
-                                   args.host, args.port, args.router_policy, args.log_level)
+                                   args.host, args.port, args.router_policy, args.log_level,
+                                   parent_pid=args.parent_pid)
     if engine.parallel.node_rank > 0:  # a compute-only node of a multi-node group
         from server.model.tp_worker import serve_node
 

@@ -43,7 +43,8 @@ def _free_port() -> int:
 
 
 def serve_data_parallel(argv: list[str], dp_size: int, host: str, port: int, policy: str,
-                        log_level: str, startup_timeout: float = 600.0) -> int:
+                        log_level: str, startup_timeout: float = 600.0,
+                        parent_pid: int | None = None) -> int:
     """Start the replicas, wait until each answers /health, then run the router until it is
     stopped; the replicas are terminated on the way out. Returns the exit code."""
     from server.router.__main__ import run_router
@@ -74,7 +75,8 @@ def serve_data_parallel(argv: list[str], dp_size: int, host: str, port: int, pol
                           file=sys.stderr)
                     return 1
                 time.sleep(0.2)
-        return run_router(urls, host, port, policy, log_level=log_level)  # SIGTERM ends it
+        return run_router(urls, host, port, policy, log_level=log_level,
+                          parent_pid=parent_pid)  # until SIGTERM, or the parent is gone
     finally:
         for proc in procs:
             proc.terminate()
