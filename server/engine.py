@@ -31,6 +31,8 @@ from server.constrained.reasoning import ReasoningGatedMatcher
 from server.detokenizer import OutputText
 from server.model.loader import load_model
 from server.model.parallel import TPGroup, TPShard
+from server.model.runner import ModelRunner
+from server.model.sampling import Sampler, SamplingParams
 from server.model.tp_worker import (
     TensorParallelError,
     device_of,
@@ -43,8 +45,6 @@ from server.model.tp_worker import (
     start_local_workers,
     threads_per_rank,
 )
-from server.model.runner import ModelRunner
-from server.model.sampling import Sampler, SamplingParams
 from server.scheduler.outputs import TokenDelta
 from server.scheduler.request import LogprobOptions, Req
 from server.scheduler.scheduler import Scheduler

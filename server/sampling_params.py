@@ -76,6 +76,7 @@ class SamplingParams:
     regex: str | None = None
     json_schema: Any = None
     choices: tuple[str, ...] | None = None
+    ebnf: str | None = None  # an EBNF grammar (SGLang's name), "root ::= ..."
 
     def __post_init__(self) -> None:
         def need(ok: bool, field: str, msg: str) -> None:
@@ -137,7 +138,7 @@ class SamplingParams:
         if isinstance(self.choices, list):
             object.__setattr__(self, "choices", tuple(self.choices))
         try:
-            spec = make_spec(self.regex, self.json_schema, self.choices)
+            spec = make_spec(self.regex, self.json_schema, self.choices, self.ebnf)
         except GrammarError as exc:
             raise SamplingParamsError(exc.param, str(exc).split(": ", 1)[-1]) from exc
         if spec is not None and spec.kind == "json_schema":

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 MAX_SPEC_CHARS = 32 * 1024
+MAX_EBNF_CHARS = 512 * 1024  # grounding grammars of long passages (~25 chars per word)
 MAX_CHOICES = 256
 MAX_SCHEMA_DEPTH = 64  # dict/list levels
 COMPILE_TIMEOUT_S = 10.0
@@ -41,18 +42,21 @@ class GrammarError(ValueError):
 
 @dataclass(frozen=True)
 class GrammarSpec:
-    """kind: "regex", "json_schema" or "choices"; spec: the regex, the schema as canonical JSON
-    text, or the choices as a JSON list."""
+    """kind: "regex", "json_schema", "choices" or "ebnf"; spec: the regex, the schema as
+    canonical JSON text, the choices as a JSON list, or the EBNF grammar (xgrammar's dialect of
+    GBNF: ``root ::= ...``)."""
 
     kind: str
     spec: str
 
 
 def make_spec(regex: str | None = None, json_schema: Any = None,
-              choices: Sequence[str] | None = None) -> GrammarSpec | None:
-    """Validate and normalize the (at most one) constraint of a request. Raises GrammarError."""
+              choices: Sequence[str] | None = None, ebnf: str | None = None
+              ) -> GrammarSpec | None:
+    """Validate and normalize the (at most one) constraint of a request. Raises GrammarError
+    (an EBNF grammar's syntax is checked when it compiles, still before the response)."""
     given = [n for n, v in (("regex", regex), ("json_schema", json_schema),
-                            ("choices", choices)) if v is not None]
+                            ("choices", choices), ("ebnf", ebnf)) if v is not None]
     if not given:
         return None
     if len(given) > 1:
@@ -62,6 +66,12 @@ def make_spec(regex: str | None = None, json_schema: Any = None,
             raise GrammarError("regex", "must be a non-empty string")
         _check_size("regex", regex)
         return GrammarSpec("regex", regex)
+    if ebnf is not None:
+        if not isinstance(ebnf, str) or "::=" not in ebnf:
+            raise GrammarError("ebnf", "must be a grammar string with a 'root ::= ...' rule")
+        if len(ebnf) > MAX_EBNF_CHARS:
+            raise GrammarError("ebnf", f"over {MAX_EBNF_CHARS} characters")
+        return GrammarSpec("ebnf", ebnf)
     if json_schema is not None:
         schema = _load_schema(json_schema)
         # keep key order: property order in the schema is the order fields are generated in
@@ -249,6 +259,8 @@ class GrammarCompiler:
             # Fixed separators (", " and ": "): no whitespace loops, and keys plus separators
             # become forced strings that jump-forward computes in one pass.
             return c.compile_json_schema(spec.spec, any_whitespace=False)
+        if spec.kind == "ebnf":
+            return c.compile_grammar(spec.spec)
         return c.compile_grammar(_choices_ebnf(json.loads(spec.spec)))
 
     def json_safe_mask(self):

@@ -65,7 +65,7 @@ async def admit_chat(manager: TokenizerManager, body: ChatCompletionRequest
         if not manager.template_renders_tools:
             messages = [{"role": "system", "content": tools_system_prompt(tools)}] + messages
         if names:
-            if body.response_format or body.regex or body.json_schema:
+            if body.response_format or body.regex or body.json_schema or body.ebnf:
                 raise ApiError(400, "a forced tool call cannot be combined with another "
                                "constraint", param="tool_choice")
             constraint = {"json_schema": call_schema(tools, names)}
@@ -91,7 +91,7 @@ def _constraint(body: _OpenAISampling) -> dict[str, Any]:
     """response_format (json_object, json_schema) or the regex / json_schema extensions, as
     SamplingParams fields. Raises ApiError for a malformed response_format."""
     rf = body.response_format
-    given = [n for n in ("regex", "json_schema") if getattr(body, n) is not None]
+    given = [n for n in ("regex", "json_schema", "ebnf") if getattr(body, n) is not None]
     if rf is not None and rf.get("type") not in (None, "text"):
         if given:
             raise ApiError(400, f"give response_format or {given[0]}, not both", param=given[0])
@@ -105,7 +105,7 @@ def _constraint(body: _OpenAISampling) -> dict[str, Any]:
             return {"json_schema": spec.get("schema") or {"type": "object"}}
         raise ApiError(400, f"response_format type {rf.get('type')!r} is not supported",
                        param="response_format")
-    return {"regex": body.regex, "json_schema": body.json_schema}
+    return {"regex": body.regex, "json_schema": body.json_schema, "ebnf": body.ebnf}
 
 
 def _params(body: _OpenAISampling, max_tokens: int, seed_offset: int = 0,

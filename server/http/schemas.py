@@ -52,6 +52,7 @@ class _OpenAISampling(_Body):
     tool_choice: Any = None
     regex: str | None = None
     json_schema: Any = None
+    ebnf: str | None = None
 
 
 class CompletionRequest(_OpenAISampling):

@@ -25,8 +25,8 @@ from kernels.base import AttentionBackend
 from server.model.compiled import attention
 from server.model.config import ArchConfig
 from server.model.moe import SparseMoE, expert_target
-from server.model.quantization import QuantEmbedding, QuantizedWeight
 from server.model.parallel import TPGroup
+from server.model.quantization import QuantEmbedding, QuantizedWeight
 from server.model.rope import rope_tables
 from server.model.weight_loading import QuantReport, WeightLoadError, load_weights
 

@@ -11,7 +11,7 @@
   (:mod:`sgl_adapters.lang.speculative`); this backend only counts what it costs:
   :attr:`OpenAI.usage` has API calls and prompt/completion tokens as billed by the endpoint.
 
-Non-standard sampling fields (top_k, min_p, regex, json_schema, ignore_eos, stop_token_ids) go
+Non-standard sampling fields (top_k, min_p, regex, json_schema, ebnf, ignore_eos, stop_token_ids) go
 in ``extra_body``; servers that do not know them ignore them.
 """
 
@@ -27,7 +27,7 @@ from sgl_adapters.lang.chat_template import ChatTemplate
 from sgl_adapters.lang.choices import choose
 from sgl_adapters.lang.ir import SamplingArgs
 
-_EXTRA = ("top_k", "min_p", "regex", "json_schema", "ignore_eos", "stop_token_ids")
+_EXTRA = ("top_k", "min_p", "regex", "json_schema", "ebnf", "ignore_eos", "stop_token_ids")
 
 
 @dataclass

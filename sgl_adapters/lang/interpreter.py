@@ -191,7 +191,8 @@ class StreamExecutor:
         """The gen's value from the speculation buffer (one API call fills it), or None for a
         normal call: constrained gens, gens without a stop, and a buffer without the stop."""
         stops = sampling.stops()
-        if sampling.regex is not None or sampling.json_schema is not None or not stops:
+        if (sampling.regex is not None or sampling.json_schema is not None
+                or sampling.ebnf is not None or not stops):
             self.spec_buffer = ""
             return None
         if not self.spec_buffer:

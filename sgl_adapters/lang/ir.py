@@ -14,6 +14,8 @@ import json
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from sgl_adapters.lang.grounding import substring_grammar
+
 CHOICES_METHODS = ("token_length_normalized", "greedy", "unconditional_likelihood_normalized")
 ROLES = ("system", "user", "assistant")
 
@@ -43,6 +45,7 @@ class SamplingArgs:
     ignore_eos: bool | None = None
     regex: str | None = None
     json_schema: Any = None
+    ebnf: str | None = None
     return_logprob: bool | None = None
     top_logprobs_num: int | None = None
 
@@ -166,17 +169,26 @@ def gen(name: str | None = None, max_tokens: int | None = None,
         presence_penalty: float | None = None, ignore_eos: bool | None = None,
         regex: str | None = None, json_schema: Any = None, choices: list[str] | None = None,
         dtype: type | None = None, return_logprob: bool | None = None,
-        top_logprobs_num: int | None = None) -> Expr:
+        top_logprobs_num: int | None = None, ebnf: str | None = None,
+        substring_of: str | list[str] | None = None) -> Expr:
     """Generate text into variable ``name`` (read it with ``s[name]``).
 
-    ``regex``/``json_schema`` constrain the output on the server (at most one); ``dtype`` in
-    int/float/bool/str constrains it and converts ``s[name]``; ``choices`` makes this a
-    :func:`select`. Raises ValueError for conflicting constraints or an unknown dtype.
+    ``regex``/``json_schema``/``ebnf`` constrain the output on the server (at most one);
+    ``substring_of`` (a text or a list of texts) makes the output a contiguous word span of
+    one of them (grounded extraction: :func:`sgl_adapters.lang.grounding.substring_grammar`);
+    ``dtype`` in int/float/bool/str constrains it and converts ``s[name]``; ``choices`` makes
+    this a :func:`select`. Raises ValueError for conflicting constraints or an unknown dtype.
     """
     if choices is not None:
         return select(name, choices, temperature=temperature or 0.0)
-    if sum(x is not None for x in (regex, json_schema, dtype if dtype is not str else None)) > 1:
-        raise ValueError("gen: give at most one of regex, json_schema and dtype")
+    if substring_of is not None:
+        if ebnf is not None:
+            raise ValueError("gen: give ebnf or substring_of, not both")
+        ebnf = substring_grammar(substring_of)
+    if sum(x is not None for x in (regex, json_schema, ebnf,
+                                   dtype if dtype is not str else None)) > 1:
+        raise ValueError("gen: give at most one of regex, json_schema, ebnf/substring_of and "
+                         "dtype")
     if dtype is not None and dtype not in (int, float, bool, str):
         raise ValueError(f"gen: dtype must be int, float, bool or str, not {dtype!r}")
     sampling = SamplingArgs(
@@ -185,7 +197,7 @@ def gen(name: str | None = None, max_tokens: int | None = None,
         temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
         frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
         ignore_eos=ignore_eos, regex=regex if dtype is None else DTYPE_REGEX.get(dtype),
-        json_schema=json_schema, return_logprob=return_logprob,
+        json_schema=json_schema, ebnf=ebnf, return_logprob=return_logprob,
         top_logprobs_num=top_logprobs_num)
     if dtype is bool:
         return Select(name, DTYPE_CHOICES[bool], "token_length_normalized", 0.0, bool)

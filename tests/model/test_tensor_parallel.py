@@ -18,7 +18,7 @@ from server.engine import Engine
 from server.model.config import ArchConfig, UnsupportedModelError
 from server.model.parallel import TPShard
 from server.model.tp_worker import free_init_addr
-from tests.live_server import REPO_ROOT, free_port
+from tests.live_server import REPO_ROOT
 
 SP = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
 PROMPTS = [[5, 9, 13, 17, 21, 25, 29, 33] * 3 + [40 + i] * (1 + 2 * i) for i in range(3)] + [[7]]
