@@ -1,13 +1,19 @@
 """``python -m examples.rag``: retrieval-augmented QA over Wikipedia passages through the
 bundled server (``make run`` runs this with defaults).
 
-    python -m examples.rag [--pipeline sgl|dspy|langchain] [--n 100] [--k 3] [--base-url URL]
+    python -m examples.rag [--pipeline all|sgl|dspy|langchain] [--n 40] [--k 3]
+                           [--no-grounding] [--no-baseline] [--base-url URL]
                            [--data-dir DIR] [--out rag_results.jsonl]
 
-Without ``--base-url`` it starts the bundled server on the default model. Prints a few answers
-and a summary: exact match / F1 on span questions (SQuAD), accuracy on yes/no questions (BoolQ),
-retrieval recall@k, questions per second and the server's cache hit rate; writes one JSON line
-per question to ``--out``.
+Without ``--base-url`` it starts the bundled server on the default model. By default all three
+pipelines (the language, DSPy through ``SGLangLM``, LangChain through ``ChatSGLang``) answer the
+same questions, one after another, each with its own progress bar, then one table compares
+them: exact match / F1 on span questions (SQuAD), accuracy on yes/no questions (BoolQ),
+retrieval recall@k, questions per second and the server's cache hit rate. The baseline row is
+the same DSPy program through DSPy's own OpenAI-compatible route (``dspy.LM("openai/...")``)
+against a second server with the radix cache off: what a user gets without this project.
+Span answers are grounded (a word span of a retrieved passage) unless ``--no-grounding``.
+One JSON line per question and pipeline goes to ``--out``.
 """
 
 from __future__ import annotations
@@ -31,11 +37,14 @@ def _cache_counters(base_url: str) -> tuple[int, int]:
 
 
 def evaluate(pipeline: str, questions, retriever: Retriever, k: int, base_url: str,
-             progress: bool = False) -> dict:
-    """Run one pipeline; per-question rows and the summary."""
+             progress: bool = False, grounded: bool = True, **kwargs) -> dict:
+    """Run one pipeline; per-question rows and the summary. ``pipeline`` "baseline" is the
+    DSPy program on DSPy's own OpenAI route (``kwargs["lm"]``)."""
     before = _cache_counters(base_url)
     start = time.perf_counter()
-    answers = PIPELINES[pipeline](questions, retriever, k, base_url, progress=progress)
+    run = PIPELINES["dspy" if pipeline == "baseline" else pipeline]
+    answers = run(questions, retriever, k, base_url, progress=progress, grounded=grounded,
+                  **kwargs)
     seconds = time.perf_counter() - start
     after = _cache_counters(base_url)
     rows = []
@@ -65,44 +74,91 @@ def evaluate(pipeline: str, questions, retriever: Retriever, k: int, base_url: s
     return {"rows": rows, "summary": summary}
 
 
+COLUMNS = ["pipeline", "questions", "span EM", "span F1", "yes/no acc", "recall@k", "q/s",
+           "cache hit", "seconds"]
+
+
+def table_row(summary: dict) -> list[str]:
+    def f(v):
+        return "-" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)
+    return [summary["pipeline"], str(summary["questions"]), f(summary["span_em"]),
+            f(summary["span_f1"]), f(summary["yes_no_accuracy"]), f(summary["retrieval_recall"]),
+            f"{summary['questions_per_s']:.2f}", f(summary["cache_hit_rate"]),
+            f"{summary['seconds']:.1f}"]
+
+
+def print_table(rows: list[list[str]]) -> None:
+    widths = [max(len(r[i]) for r in [COLUMNS, *rows]) for i in range(len(COLUMNS))]
+    for r in [COLUMNS, ["-" * w for w in widths], *rows]:
+        print("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--pipeline", choices=sorted(PIPELINES), default="sgl")
-    ap.add_argument("--n", type=int, default=100, help="questions (half span, half yes/no)")
+    ap.add_argument("--pipeline", choices=["all", *sorted(PIPELINES)], default="all",
+                    help="which pipeline(s) to run (default: all three, side by side)")
+    ap.add_argument("--n", type=int, default=40, help="questions, half span, half yes/no "
+                    "(default 40: the whole run in about 3 minutes on 2 cores)")
     ap.add_argument("--k", type=int, default=3, help="passages retrieved per question")
+    ap.add_argument("--no-grounding", action="store_true", help="let span answers be free "
+                    "text instead of a word span of a retrieved passage")
+    ap.add_argument("--no-baseline", action="store_true", help="skip the baseline row (DSPy's "
+                    "own OpenAI route, radix cache off; on with --pipeline all)")
     ap.add_argument("--base-url", default=None, help="a running bundled server (default: start "
                     "one on the default model)")
     ap.add_argument("--data-dir", default=None, help="directory with the wiki_rag files "
                     "(default ../shared/data/wiki_rag)")
-    ap.add_argument("--out", default="rag_results.jsonl")
+    ap.add_argument("--out", default="rag_results.jsonl", help="per-question results (JSONL)")
     args = ap.parse_args(argv)
 
     passages, questions = load(args.data_dir)
     print(f"{len(passages)} passages, {len(questions)} questions; building the BM25 index ...")
     retriever = Retriever(passages)
     questions = mixed(questions, args.n)
-    runtime = None
-    if args.base_url is None:
-        import sgl_adapters as sgl
+    pipelines = sorted(PIPELINES, key=["sgl", "dspy", "langchain"].index) \
+        if args.pipeline == "all" else [args.pipeline]
+    baseline = args.pipeline == "all" and not args.no_baseline
+    import sgl_adapters as sgl
 
-        print("starting the bundled server on the default model ...")
-        runtime = sgl.Runtime(max_total_tokens=32768)
-        base_url = runtime.base_url
-    else:
-        base_url = args.base_url.rstrip("/")
+    runtimes = []
     try:
-        print(f"running the {args.pipeline} pipeline on {len(questions)} questions (k={args.k}) ...")
-        result = evaluate(args.pipeline, questions, retriever, args.k, base_url, progress=True)
+        if args.base_url is None:
+            print("starting the bundled server on the default model ...")
+            runtimes.append(sgl.Runtime(max_total_tokens=32768))
+            base_url = runtimes[0].base_url
+        else:
+            base_url = args.base_url.rstrip("/")
+        results = []
+        for name in pipelines:
+            print(f"{name}: {len(questions)} questions (k={args.k}) ...")
+            results.append(evaluate(name, questions, retriever, args.k, base_url, progress=True,
+                                    grounded=not args.no_grounding))
+        if baseline:
+            import dspy
+
+            print("baseline: the DSPy program on dspy.LM('openai/...'), radix cache off ...")
+            plain = sgl.Runtime(max_total_tokens=32768, disable_radix_cache=True)
+            runtimes.append(plain)
+            lm = dspy.LM("openai/default", api_base=plain.base_url + "/v1", api_key="EMPTY",
+                         num_retries=0, cache=False, temperature=0.0, max_tokens=48)
+            result = evaluate("baseline", questions, retriever, args.k, plain.base_url,
+                              progress=True, grounded=False, lm=lm)
+            result["summary"]["pipeline"] = "dspy, openai route, no cache"
+            results.append(result)
     finally:
-        if runtime is not None:
-            runtime.shutdown()
-    for row in result["rows"][:4]:
-        print(f"- Q: {row['question']}\n  predicted: {row['prediction']!r}  gold: {row['gold'][:3]}")
+        for rt in runtimes:
+            rt.shutdown()
     with open(args.out, "w") as f:
-        for row in result["rows"]:
-            f.write(json.dumps(row) + "\n")
-    print("summary:", json.dumps(result["summary"]))
-    print(f"per-question results: {args.out}")
+        for result in results:
+            for row in result["rows"]:
+                f.write(json.dumps({"pipeline": result["summary"]["pipeline"], **row}) + "\n")
+    for row in results[0]["rows"][:3]:
+        print(f"- Q: {row['question']}\n  {results[0]['summary']['pipeline']}: "
+              f"{row['prediction']!r}  gold: {row['gold'][:3]}")
+    print()
+    print_table([table_row(r["summary"]) for r in results])
+    print(f"span answers {'free text' if args.no_grounding else 'grounded in the passages'}; "
+          f"per-question results: {args.out}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,9 @@
 """The three RAG pipelines, each answering a batch of questions through the bundled server.
 
-Each takes (questions, retriever, k, base_url) and returns one answer string per question:
+Each takes (questions, retriever, k, base_url) and returns one answer string per question.
+With ``grounded`` (the default) a span answer is constrained to a contiguous word span of one
+retrieved passage (grounded extraction: ``substring_of`` in the language, ``copied_from`` in
+DSPy, ``bind(substring_of=...)`` in LangChain); without, it is free text.
 * ``sgl``: the native language. All k passages and the question form one prompt; the state
   forks k ways (the prompt is prefilled once and shared), each branch notes what its passage
   says, and the parent merges the notes and answers (``select`` yes/no, or a short ``gen``).
@@ -18,6 +21,7 @@ from typing import Literal
 from examples.rag.data import Question
 from examples.rag.retrieval import Retriever
 
+MAX_WORDS = 6  # grounded span answers: SQuAD answers are a few words long
 SYSTEM = ("You answer questions using Wikipedia passages. Give the shortest answer that is "
           "correct: a short phrase copied from the passages, or yes/no.")
 
@@ -27,11 +31,11 @@ def _passages_text(passages) -> str:
 
 
 def run_sgl(questions: list[Question], retriever: Retriever, k: int, base_url: str,
-            threads: int = 16, progress: bool = False) -> list[str]:
+            threads: int = 16, progress: bool = False, grounded: bool = True) -> list[str]:
     import sgl_adapters as sgl
 
     @sgl.function
-    def rag(s, question: str, passages: str, k: int, yes_no: bool):
+    def rag(s, question: str, passages: str, texts: list[str], k: int, yes_no: bool):
         s += sgl.system(SYSTEM)
         with s.user():
             s += f"Passages:\n{passages}\n\nQuestion: {question}"
@@ -46,11 +50,17 @@ def run_sgl(questions: list[Question], retriever: Retriever, k: int, base_url: s
             s += sgl.assistant(sgl.select("answer", ["yes", "no"]))
         else:
             s += sgl.user("Answer with a short phrase from the passages.")
-            s += sgl.assistant(sgl.gen("answer", max_tokens=16, stop=["\n", "."]))
+            s += sgl.assistant(sgl.gen("answer", max_tokens=16, stop=["\n", "."],
+                                       substring_of=texts if grounded else None,
+                                       max_words=MAX_WORDS))
 
     backend = sgl.RuntimeEndpoint(base_url)
-    args = [{"question": q.question, "passages": _passages_text(retriever.search(q.question, k)),
-             "k": k, "yes_no": q.answer_type == "yes_no"} for q in questions]
+    args = []
+    for q in questions:
+        passages = retriever.search(q.question, k)
+        args.append({"question": q.question, "passages": _passages_text(passages),
+                     "texts": [p.text for p in passages], "k": k,
+                     "yes_no": q.answer_type == "yes_no"})
     states = rag.run_batch(args, num_threads=threads, progress_bar=progress, backend=backend,
                            temperature=0)
     backend.shutdown()
@@ -58,19 +68,21 @@ def run_sgl(questions: list[Question], retriever: Retriever, k: int, base_url: s
 
 
 def run_dspy(questions: list[Question], retriever: Retriever, k: int, base_url: str,
-             threads: int = 16, progress: bool = False, lm=None) -> list[str]:
-    """``lm``: another dspy.LM to run the same program on (the benchmarks' OpenAI-route
-    baseline); default SGLangLM on ``base_url``."""
+             threads: int = 16, progress: bool = False, lm=None, grounded: bool = True
+             ) -> list[str]:
+    """``lm``: another dspy.LM to run the same program on (the OpenAI-route baseline);
+    default SGLangLM on ``base_url``."""
     import dspy
 
-    from sgl_adapters.dspy import SGLangLM
+    from sgl_adapters.dspy import SGLangLM, copied_from
 
     class SpanQA(dspy.Signature):
         """Answer the question with a short phrase copied from the context."""
 
         context: list[str] = dspy.InputField()
         question: str = dspy.InputField()
-        answer: str = dspy.OutputField(desc="a short phrase")
+        answer: str = dspy.OutputField(desc=copied_from("context", "a short phrase", MAX_WORDS)
+                                       if grounded else "a short phrase")
 
     class YesNoQA(dspy.Signature):
         """Answer the yes/no question using the context."""
@@ -98,8 +110,10 @@ def run_dspy(questions: list[Question], retriever: Retriever, k: int, base_url: 
 
 
 def run_langchain(questions: list[Question], retriever: Retriever, k: int, base_url: str,
-                  threads: int = 16, progress: bool = False) -> list[str]:
+                  threads: int = 16, progress: bool = False, grounded: bool = True
+                  ) -> list[str]:
     import pydantic
+    from langchain_core.output_parsers import StrOutputParser
     from langchain_core.prompts import ChatPromptTemplate
     from langchain_core.runnables import RunnableLambda
 
@@ -114,10 +128,20 @@ def run_langchain(questions: list[Question], retriever: Retriever, k: int, base_
     llm = ChatSGLang(base_url=base_url, temperature=0, max_tokens=48)
     prompt = ChatPromptTemplate.from_messages(
         [("system", SYSTEM), ("human", "Passages:\n{passages}\n\nQuestion: {question}")])
-    retrieve = RunnableLambda(lambda x: {"question": x["question"], "passages": _passages_text(
-        retriever.search(x["question"], k))})
-    chains = {False: retrieve | prompt | llm.with_structured_output(SpanAnswer),
-              True: retrieve | prompt | llm.with_structured_output(YesNoAnswer)}
+    def retrieve(x: dict) -> dict:
+        passages = retriever.search(x["question"], k)
+        return {"question": x["question"], "passages": _passages_text(passages),
+                "texts": [p.text for p in passages]}
+
+    def grounded_answer(x: dict) -> SpanAnswer:  # the answer is a span of these passages
+        text = (prompt | llm.bind(substring_of=x["texts"], max_words=MAX_WORDS)
+                | StrOutputParser()).invoke(x)
+        return SpanAnswer(answer=text[:60])
+
+    span = RunnableLambda(grounded_answer) if grounded else prompt | llm.with_structured_output(
+        SpanAnswer)
+    chains = {False: RunnableLambda(retrieve) | span,
+              True: RunnableLambda(retrieve) | prompt | llm.with_structured_output(YesNoAnswer)}
     answers = [""] * len(questions)
     bar = None
     if progress:

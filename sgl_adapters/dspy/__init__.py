@@ -13,6 +13,10 @@ the language (typed fields by constrained decoding, markers as constants; see
 :mod:`~sgl_adapters.dspy.lowering`), other calls use the server's OpenAI route with grammar-
 enforced ``response_format`` and tools. ``lowering=False`` gives plain ChatAdapter/JSONAdapter
 behaviour against the server.
+
+Grounded answers: ``answer: str = dspy.OutputField(desc=copied_from("context", "a short
+phrase"))`` makes the lowered program copy ``answer`` verbatim from input field ``context``
+(a word span of one passage, enforced by an EBNF grammar on the server).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Any
 import dspy
 
 from sgl_adapters.dspy.engine import AsyncSGLangEngine, SGLangEngine
+from sgl_adapters.dspy.lowering import copied_from
 
 
 class SGLangLM(dspy.LM):
@@ -54,4 +59,4 @@ class SGLangLM(dspy.LM):
         return self.engine
 
 
-__all__ = ["AsyncSGLangEngine", "SGLangEngine", "SGLangLM"]
+__all__ = ["AsyncSGLangEngine", "SGLangEngine", "SGLangLM", "copied_from"]

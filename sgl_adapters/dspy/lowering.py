@@ -11,7 +11,10 @@ sentence — and recovers each output field's name, order and type from them:
 * ``Literal[...]``, ``bool`` and ``Enum`` fields -> ``select`` over the allowed values;
 * ``int`` / ``float`` -> a regex-constrained ``gen``;
 * pydantic models, dicts, lists ("must adhere to the JSON schema: ...") -> a JSON-schema ``gen``;
-* ``str`` (and anything else) -> ``gen`` up to the next ``[[ ##`` marker.
+* ``str`` (and anything else) -> ``gen`` up to the next ``[[ ##`` marker;
+* a ``str`` field whose description ends with :func:`copied_from`'s marker, "(copied verbatim
+  from `context`)" -> ``gen(substring_of=...)`` over that input field's value (each item of a
+  list input on its own), so the answer is always a span of the retrieved passages.
 
 The prompt (system, demos, inputs) is sent exactly as DSPy formatted it, rendered with the
 model's chat template; the assistant turn is built from constants (the markers, never decoded)
@@ -42,6 +45,35 @@ _FIELD = re.compile(r"`\[\[ ## (\w+) ## \]\]`(?: \(must be formatted as a valid 
                     r"(?=, then |, and then|,?\s*$)", re.S)
 _NOTE = "        # note: the value you produce "
 STR_STOP = "[[ ##"
+_COPIED = re.compile(r"^\d+\. `(\w+)` \([^\n]*\(copied verbatim from `(\w+)`"
+                     r"(?:, at most (\d+) words)?\)\s*$", re.M)
+
+
+def copied_from(field: str, desc: str = "", max_words: int | None = None) -> str:
+    """An output field description that makes the lowered program copy the answer verbatim
+    from input field ``field``: ``answer: str = dspy.OutputField(desc=copied_from("context",
+    "a short phrase", max_words=8))``. The answer is then grammar-constrained to a contiguous
+    word span (of at most ``max_words`` words) of the input's text (of one item when the
+    input is a list)."""
+    limit = f", at most {max_words} words" if max_words else ""
+    return f"{desc} (copied verbatim from `{field}`{limit})".strip()
+
+
+def _input_texts(last_user: str, name: str) -> list[str] | None:
+    """The value of input field ``name`` in ChatAdapter's user message: a JSON list's items,
+    or the text."""
+    m = re.search(rf"\[\[ ## {name} ## \]\]\n(.*?)(?=\n\n\[\[ ## |\n\nRespond with|\Z)",
+                  last_user, re.S)
+    if m is None:
+        return None
+    value = m.group(1)
+    try:
+        items = json.loads(value)
+    except ValueError:
+        return [value]
+    if isinstance(items, list) and items and all(isinstance(i, str) for i in items):
+        return items
+    return [value]
 
 
 @dataclass(frozen=True)
@@ -52,6 +84,8 @@ class OutputField:
     kind: str = "str"
     choices: tuple[str, ...] = ()
     schema: Any = None
+    texts: tuple[str, ...] = ()  # kind "span": the answer is a word span of one of these
+    max_words: int | None = None
 
     def expr(self, max_tokens: int) -> ir.Expr:
         if self.kind == "select":
@@ -60,6 +94,9 @@ class OutputField:
             return sgl.gen(self.name, dtype=int if self.kind == "int" else float, max_tokens=32)
         if self.kind == "json":
             return sgl.gen(self.name, json_schema=self.schema, max_tokens=max_tokens)
+        if self.kind == "span":
+            return sgl.gen(self.name, substring_of=list(self.texts), max_words=self.max_words,
+                           max_tokens=max_tokens)
         return sgl.gen(self.name, stop=STR_STOP, max_tokens=max_tokens)
 
 
@@ -68,12 +105,20 @@ def plan_fields(system: str, last_user: str) -> list[OutputField] | None:
     m = _RESPOND.search(last_user)
     if m is None or "[[ ## completed ## ]]" not in system:
         return None
+    copied = {out: (src, int(limit) if limit else None)
+              for out, src, limit in _COPIED.findall(system)}
     fields = []
     for fm in _FIELD.finditer(m.group(1)):
         name, annotation = fm.group(1), fm.group(2)
         if f"[[ ## {name} ## ]]\n{{{name}}}" not in system:
             return None
-        fields.append(_field(name, annotation, _note(system, name)))
+        field = _field(name, annotation, _note(system, name))
+        texts = _input_texts(last_user, copied[name][0]) if name in copied else None
+        if field.kind == "str" and texts and any(re.search(r"\w", t) for t in texts):
+            field = OutputField(name, "span", texts=tuple(t for t in texts
+                                                          if re.search(r"\w", t)),
+                                max_words=copied[name][1])
+        fields.append(field)
     return fields or None
 
 

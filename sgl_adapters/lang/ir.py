@@ -170,12 +170,13 @@ def gen(name: str | None = None, max_tokens: int | None = None,
         regex: str | None = None, json_schema: Any = None, choices: list[str] | None = None,
         dtype: type | None = None, return_logprob: bool | None = None,
         top_logprobs_num: int | None = None, ebnf: str | None = None,
-        substring_of: str | list[str] | None = None) -> Expr:
+        substring_of: str | list[str] | None = None, max_words: int | None = None) -> Expr:
     """Generate text into variable ``name`` (read it with ``s[name]``).
 
     ``regex``/``json_schema``/``ebnf`` constrain the output on the server (at most one);
     ``substring_of`` (a text or a list of texts) makes the output a contiguous word span of
-    one of them (grounded extraction: :func:`sgl_adapters.lang.grounding.substring_grammar`);
+    one of them (grounded extraction: :func:`sgl_adapters.lang.grounding.substring_grammar`),
+    of at most ``max_words`` words when given;
     ``dtype`` in int/float/bool/str constrains it and converts ``s[name]``; ``choices`` makes
     this a :func:`select`. Raises ValueError for conflicting constraints or an unknown dtype.
     """
@@ -184,7 +185,7 @@ def gen(name: str | None = None, max_tokens: int | None = None,
     if substring_of is not None:
         if ebnf is not None:
             raise ValueError("gen: give ebnf or substring_of, not both")
-        ebnf = substring_grammar(substring_of)
+        ebnf = substring_grammar(substring_of, max_words)
     if sum(x is not None for x in (regex, json_schema, ebnf,
                                    dtype if dtype is not str else None)) > 1:
         raise ValueError("gen: give at most one of regex, json_schema, ebnf/substring_of and "

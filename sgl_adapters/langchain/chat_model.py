@@ -10,7 +10,11 @@ with the ``openai`` client. What makes it more than ``ChatOpenAI(base_url=...)``
 * ``batch``/``abatch`` find the prompt prefix all inputs share (system prompt, few-shot
   messages, retrieved context), send it once as a prefill-only cache hint, then run the
   requests concurrently, so the prefix is computed once;
-* ``usage_metadata.input_token_details.cache_read`` reports the server's cached tokens.
+* ``usage_metadata.input_token_details.cache_read`` reports the server's cached tokens;
+* ``llm.bind(substring_of=passages)`` (a text or a list; ``max_words=`` bounds it) makes every
+  answer a contiguous word span of the passages (grounded extraction, an EBNF grammar on the
+  server);
+  ``regex=``, ``json_schema=`` and ``ebnf=`` bind the other constraints.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import ConfigDict, Field, PrivateAttr, SecretStr
 
 from sgl_adapters.backends.runtime_endpoint import RuntimeEndpoint
+from sgl_adapters.lang.grounding import substring_grammar
 from sgl_adapters.lang.hints import PrefixHints
 from sgl_adapters.langchain.messages import chunk_from_openai, from_openai, to_openai
 
@@ -153,8 +158,11 @@ class ChatSGLang(BaseChatModel):
                 "messages": [to_openai(m) for m in messages]}
         if stop or self.stop:
             body["stop"] = stop or self.stop
-        for key in ("top_k", "min_p", "regex", "json_schema"):
-            if key in kwargs:
+        if "substring_of" in kwargs:  # grounded extraction: the answer is a span of these texts
+            body["ebnf"] = substring_grammar(body.pop("substring_of"),
+                                             body.pop("max_words", None))
+        for key in ("top_k", "min_p", "regex", "json_schema", "ebnf"):
+            if key in body:
                 body.setdefault("extra_body", {})[key] = body.pop(key)
         return body
 

@@ -218,3 +218,26 @@ def test_n_candidates_and_logprobs(default_server):
                      lowering=False)
     out = plain("Say hi", logprobs=True, top_logprobs=2)
     assert out and isinstance(out[0], dict) and out[0]["logprobs"] is not None
+
+
+def test_copied_from_lowers_to_a_span_of_the_input_field():
+    """An output field described with copied_from("context") becomes a gen constrained to
+    word spans of each context passage (ChatAdapter's own formatting of a list input)."""
+    import dspy
+
+    from sgl_adapters.dspy import copied_from
+    from sgl_adapters.dspy.lowering import plan_fields
+
+    class Grounded(dspy.Signature):
+        """Answer with a phrase from the context."""
+
+        context: list[str] = dspy.InputField()
+        question: str = dspy.InputField()
+        answer: str = dspy.OutputField(desc=copied_from("context", "a short phrase"))
+
+    passages = ["Marconi sent signals in 1895.", 'Ships used "wireless" by 1900.']
+    system, user = (m["content"] for m in dspy.ChatAdapter().format(
+        Grounded, demos=[], inputs={"context": passages, "question": "When?"}))
+    (field,) = plan_fields(system, user)
+    assert field.kind == "span" and field.texts == tuple(passages)
+    assert "ebnf" in field.expr(16).sampling.native()

@@ -99,6 +99,10 @@ def test_each_pipeline_on_5_questions(pipeline, data_dir, tmp_path, tiny_server)
     yes_no = [r for r in result["rows"] if r["answer_type"] == "yes_no"]
     assert all(r["prediction"] in ("yes", "no") for r in yes_no)  # select / Literal lowering
     assert summary["cache_hit_rate"] is not None and summary["cache_hit_rate"] > 0
+    for row in result["rows"]:  # grounded: every span answer is copied from a passage
+        if row["answer_type"] == "span" and row["prediction"]:
+            texts = [p.text for p in retriever.search(row["question"], 2)]
+            assert any(row["prediction"] in t for t in texts), row
 
 
 def test_cli_writes_results(data_dir, tmp_path, tiny_server, capsys):
@@ -106,7 +110,8 @@ def test_cli_writes_results(data_dir, tmp_path, tiny_server, capsys):
     main(["--pipeline", "sgl", "--n", "4", "--k", "2", "--base-url", tiny_server.url,
           "--data-dir", data_dir, "--out", str(out)])
     assert len(out.read_text().splitlines()) == 4
-    assert "summary:" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "| pipeline" in printed and "span EM" in printed and "| sgl" in printed
 
 
 def test_parse_squad_query():

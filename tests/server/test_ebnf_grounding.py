@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import re
 
-import httpx
 import pytest
 from openai import OpenAI
 
@@ -41,6 +40,10 @@ def test_substring_grammar_accepts_every_span_and_nothing_else(grammars, default
                 "1895 from", "", "Marconi sent signals in 1895, from Pontecchio. The"):
         assert not _accepts(grammars, tok, g, bad), bad
     assert len(g) < 40 * (len(P1) + len(P2))  # linear in the text, not in its spans
+    short = substring_grammar([P1, P2], max_words=2)
+    assert _accepts(grammars, tok, short, "Guglielmo Marconi")
+    assert _accepts(grammars, tok, short, "by 1900") and _accepts(grammars, tok, short, "1895")
+    assert not _accepts(grammars, tok, short, "Guglielmo Marconi sent")
     with pytest.raises(ValueError):
         substring_grammar(["...", ""])
 
