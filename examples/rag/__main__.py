@@ -2,7 +2,7 @@
 bundled server (``make run`` runs this with defaults).
 
     python -m examples.rag [--pipeline all|sgl|dspy|langchain] [--n 40] [--k 3]
-                           [--no-grounding] [--no-baseline] [--base-url URL]
+                           [--grounded] [--no-baseline] [--base-url URL]
                            [--data-dir DIR] [--out rag_results.jsonl]
 
 Without ``--base-url`` it starts the bundled server on the default model. By default all three
@@ -12,7 +12,7 @@ them: exact match / F1 on span questions (SQuAD), accuracy on yes/no questions (
 retrieval recall@k, questions per second and the server's cache hit rate. The baseline row is
 the same DSPy program through DSPy's own OpenAI-compatible route (``dspy.LM("openai/...")``)
 against a second server with the radix cache off: what a user gets without this project.
-Span answers are grounded (a word span of a retrieved passage) unless ``--no-grounding``.
+``--grounded`` constrains span answers to a word span of a retrieved passage.
 One JSON line per question and pipeline goes to ``--out``.
 """
 
@@ -100,8 +100,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--n", type=int, default=40, help="questions, half span, half yes/no "
                     "(default 40: the whole run in about 3 minutes on 2 cores)")
     ap.add_argument("--k", type=int, default=3, help="passages retrieved per question")
-    ap.add_argument("--no-grounding", action="store_true", help="let span answers be free "
-                    "text instead of a word span of a retrieved passage")
+    ap.add_argument("--grounded", action="store_true", help="constrain span answers to a "
+                    "word span (at most 6 words) of a retrieved passage (grounded extraction)")
     ap.add_argument("--no-baseline", action="store_true", help="skip the baseline row (DSPy's "
                     "own OpenAI route, radix cache off; on with --pipeline all)")
     ap.add_argument("--base-url", default=None, help="a running bundled server (default: start "
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
         for name in pipelines:
             print(f"{name}: {len(questions)} questions (k={args.k}) ...")
             results.append(evaluate(name, questions, retriever, args.k, base_url, progress=True,
-                                    grounded=not args.no_grounding))
+                                    grounded=args.grounded))
         if baseline:
             import dspy
 
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
               f"{row['prediction']!r}  gold: {row['gold'][:3]}")
     print()
     print_table([table_row(r["summary"]) for r in results])
-    print(f"span answers {'free text' if args.no_grounding else 'grounded in the passages'}; "
+    print(f"span answers {'grounded in the passages' if args.grounded else 'free text'}; "
           f"per-question results: {args.out}")
 
 

@@ -1,9 +1,11 @@
 """The three RAG pipelines, each answering a batch of questions through the bundled server.
 
 Each takes (questions, retriever, k, base_url) and returns one answer string per question.
-With ``grounded`` (the default) a span answer is constrained to a contiguous word span of one
-retrieved passage (grounded extraction: ``substring_of`` in the language, ``copied_from`` in
-DSPy, ``bind(substring_of=...)`` in LangChain); without, it is free text.
+With ``grounded`` a span answer is constrained to a contiguous word span (at most MAX_WORDS
+words) of one retrieved passage (grounded extraction: ``substring_of`` in the language,
+``copied_from`` in DSPy, ``bind(substring_of=...)`` in LangChain); without, it is free text.
+On the 135M default model grounding lowers span F1 (it picks sentence openings; see the
+README), so the main job leaves it off unless asked.
 * ``sgl``: the native language. All k passages and the question form one prompt; the state
   forks k ways (the prompt is prefilled once and shared), each branch notes what its passage
   says, and the parent merges the notes and answers (``select`` yes/no, or a short ``gen``).

@@ -92,7 +92,7 @@ def test_each_pipeline_on_5_questions(pipeline, data_dir, tmp_path, tiny_server)
         pytest.importorskip("dspy")
     passages, questions = load(data_dir)
     retriever = Retriever(passages, cache_dir=str(tmp_path))
-    result = evaluate(pipeline, questions, retriever, 2, tiny_server.url)
+    result = evaluate(pipeline, questions, retriever, 2, tiny_server.url, grounded=True)
     summary = result["summary"]
     assert summary["questions"] == 5 and len(result["rows"]) == 5
     assert summary["retrieval_recall"] >= 0.6

@@ -44,6 +44,11 @@ def test_substring_grammar_accepts_every_span_and_nothing_else(grammars, default
     assert _accepts(grammars, tok, short, "Guglielmo Marconi")
     assert _accepts(grammars, tok, short, "by 1900") and _accepts(grammars, tok, short, "1895")
     assert not _accepts(grammars, tok, short, "Guglielmo Marconi sent")
+    content = substring_grammar([P1, P2], max_words=4, edge_stopwords={"the", "in", "by"})
+    assert _accepts(grammars, tok, content, "signals in 1895")
+    assert _accepts(grammars, tok, content, "wireless")
+    for bad in ("The", "The \"wireless", "signals in", "in 1895", "used it by"):
+        assert not _accepts(grammars, tok, content, bad), bad
     with pytest.raises(ValueError):
         substring_grammar(["...", ""])
 
