@@ -73,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--disable-radix-cache", action="store_true", help="turn prefix reuse off")
     a("--disable-jump-forward", action="store_true", help="decode strings a grammar forces token "
       "by token instead of verifying them in one pass (outputs are the same either way)")
+    a("--speculative-ngram", type=int, default=0, help="prompt-lookup speculative decoding: "
+      "draft up to this many tokens from the sequence's earlier n-grams and verify them in one "
+      "pass (outputs unchanged); 0 = off (default)")
     a("--max-running-requests", type=int, default=128, help="max requests decoding at once")
     a("--max-queued-requests", type=int, default=1024, help="requests in flight beyond which new "
       "ones get 503 with Retry-After")
@@ -112,7 +115,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, HTTPConfi
         scheduler=SchedulerConfig(max_running_requests=args.max_running_requests,
                                   chunked_prefill_size=args.chunked_prefill_size,
                                   schedule_policy=args.schedule_policy,
-                                  disable_jump_forward=args.disable_jump_forward),
+                                  disable_jump_forward=args.disable_jump_forward,
+                                  speculative_ngram=args.speculative_ngram),
         parallel=ParallelConfig(tp_size=args.tp_size, nnodes=args.nnodes,
                                 node_rank=args.node_rank, dist_init_addr=args.dist_init_addr),
         seed=args.seed)

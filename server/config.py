@@ -134,6 +134,9 @@ class SchedulerConfig:
         max_cache_aware_queue: above this many waiting requests, lpm/dfs_weight fall back to
             fcfs (matching every request against the tree each step costs time).
         disable_jump_forward: decode forced strings of constrained requests token by token.
+        speculative_ngram: draft up to this many tokens per step from the sequence's own
+            earlier n-grams (prompt lookup, :mod:`server.scheduler.ngram`), verified like
+            jump-forward drafts (outputs unchanged); 0 = off.
     """
 
     max_running_requests: int = 128
@@ -143,8 +146,11 @@ class SchedulerConfig:
     starvation_limit_steps: int = 64
     max_cache_aware_queue: int = 128
     disable_jump_forward: bool = False
+    speculative_ngram: int = 0
 
     def __post_init__(self) -> None:
+        if not 0 <= self.speculative_ngram <= 64:
+            raise ConfigError(f"speculative_ngram must be in [0, 64], got {self.speculative_ngram}")
         if self.max_running_requests < 1:
             raise ConfigError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
         if self.chunked_prefill_size < 1:

@@ -19,6 +19,8 @@ class SchedulerStats:
     cached_prompt_tokens: int = 0
     generated_tokens: int = 0
     jump_forward_tokens: int = 0  # output tokens appended by jump-forward (no decode step)
+    draft_tokens: int = 0  # tokens proposed by drafts (jump-forward and n-gram) and verified
+    accepted_draft_tokens: int = 0  # of those, kept because they equalled the sample
     retractions: int = 0
     aborts: int = 0
     forward_passes: int = 0
@@ -48,6 +50,8 @@ def snapshot(sched: "Scheduler") -> dict[str, float]:
         "cache_hit_rate": st.cache_hit_rate,
         "generated_tokens": st.generated_tokens,
         "jump_forward_tokens": st.jump_forward_tokens,
+        "draft_tokens": st.draft_tokens,
+        "accepted_draft_tokens": st.accepted_draft_tokens,
         "evicted_tokens": cache.stats.evicted_tokens,
         "retractions": st.retractions,
         "aborts": st.aborts,

@@ -14,6 +14,7 @@ from typing import Any, Sequence
 import torch
 
 from server.constrained.jump_forward import draft_tokens
+from server.scheduler.ngram import prompt_lookup_draft
 from server.model.sampling import Sampler, top_logprobs
 from server.scheduler.request import FinishReason, Req
 
@@ -53,11 +54,13 @@ def take_rows(logits: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
 
 
 def sample_and_append(sampler: Sampler, items: Sequence[tuple[Req, int]], logits: torch.Tensor,
-                      context_len: int, jump_forward_tokenizer: Any = None
-                      ) -> list[tuple[Req, int, FinishReason | None]]:
+                      context_len: int, jump_forward_tokenizer: Any = None,
+                      ngram_tokens: int = 0) -> list[tuple[Req, int, FinishReason | None]]:
     """Sample one token for each (request, logits row); append it and check stop conditions.
     With ``jump_forward_tokenizer``, a constrained request may get a draft of forced tokens to
-    verify in its next pass (see :mod:`server.constrained.jump_forward`).
+    verify in its next pass (see :mod:`server.constrained.jump_forward`); with
+    ``ngram_tokens``, an unconstrained one a prompt-lookup draft of up to that many tokens
+    (:mod:`server.scheduler.ngram`).
 
     Returns (request, sampled token, finish reason or None) per item, in order.
     """
@@ -77,12 +80,14 @@ def sample_and_append(sampler: Sampler, items: Sequence[tuple[Req, int]], logits
             if req.logprobs.top_logprobs_num:
                 req.output_top_logprobs.append(
                     sampled.top_logprobs[i][:req.logprobs.top_logprobs_num])
-        out.append((req, tok, check_finished(req, tok, context_len, jump_forward_tokenizer)))
+        out.append((req, tok, check_finished(req, tok, context_len, jump_forward_tokenizer,
+                                             ngram_tokens)))
     return out
 
 
 def check_finished(req: Req, tok: int, context_len: int,
-                   jump_forward_tokenizer: Any = None) -> FinishReason | None:
+                   jump_forward_tokenizer: Any = None, ngram_tokens: int = 0
+                   ) -> FinishReason | None:
     """Stop conditions on token ids after appending ``tok`` (stop strings are matched on text
     by the front ends, which then abort the request); advances the grammar. A grammar that
     rejects the token ends the request with an error. With ``jump_forward_tokenizer``, sets
@@ -97,7 +102,9 @@ def check_finished(req: Req, tok: int, context_len: int,
         return FinishReason("stop", matched=tok)
     if len(req.output_ids) >= p.max_new_tokens or req.fill_len >= context_len:
         return FinishReason("length")
+    room = min(p.max_new_tokens - len(req.output_ids), context_len - req.fill_len - 1)
     if req.grammar is not None and jump_forward_tokenizer is not None:
-        room = min(p.max_new_tokens - len(req.output_ids), context_len - req.fill_len - 1)
         req.draft = draft_tokens(req.grammar, jump_forward_tokenizer, tok, room)
+    elif req.grammar is None and ngram_tokens:
+        req.draft = prompt_lookup_draft(req.fill_ids, min(room, ngram_tokens))
     return None

@@ -79,6 +79,7 @@ class Scheduler:
         self.context_len = context_len
         self.sampler = sampler or Sampler(seed)
         self.jump_forward_tokenizer = None if config.disable_jump_forward else tokenizer
+        self.ngram_tokens = config.speculative_ngram
         self.rng = random.Random(seed)
         self.waiting: deque[Req] = deque()
         self.prefilling: list[Req] = []  # admitted, prompt not fully computed
@@ -364,7 +365,7 @@ class Scheduler:
         if to_sample:
             for req, tok, reason in sample_and_append(
                     self.sampler, to_sample, out.logits, self.context_len,
-                    self.jump_forward_tokenizer):
+                    self.jump_forward_tokenizer, self.ngram_tokens):
                 self.stats.generated_tokens += 1
                 if reason is not None:
                     deltas.append(self._finish(req, reason, [tok]))
@@ -384,7 +385,8 @@ class Scheduler:
         reason = None
         for i, row in enumerate(rows):
             (_, tok, reason), = sample_and_append(self.sampler, [(req, row)], logits,
-                                                  self.context_len, self.jump_forward_tokenizer)
+                                                  self.context_len, self.jump_forward_tokenizer,
+                                                  self.ngram_tokens)
             produced.append(tok)
             if reason is not None or i >= len(drafts) or tok != drafts[i]:
                 break
@@ -392,6 +394,10 @@ class Scheduler:
         self.cache.truncate_alloc(req)
         self.stats.generated_tokens += len(produced)
         self.stats.jump_forward_tokens += len(produced) - 1
+        self.stats.draft_tokens += len(drafts)
+        self.stats.accepted_draft_tokens += next(
+            (i for i, (a, b) in enumerate(zip(produced, drafts)) if a != b),
+            min(len(produced), len(drafts)))
         if reason is not None:
             req.draft = []
             return self._finish(req, reason, produced)

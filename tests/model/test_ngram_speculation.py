@@ -1,0 +1,48 @@
+"""Prompt-lookup (n-gram) speculative decoding: the proposer, and the engine's outputs with
+drafts on equal to plain decoding (greedy and seeded sampling, with logprobs), with drafts
+proposed and accepted on a prompt the model copies from."""
+
+from __future__ import annotations
+
+import pytest
+
+from server.engine import Engine
+from server.scheduler.ngram import prompt_lookup_draft
+
+
+def test_proposer_finds_the_latest_earlier_ngram():
+    ids = [1, 2, 3, 4, 5, 9, 1, 2, 3, 7, 8, 2, 3]
+    assert prompt_lookup_draft(ids, 3) == [7, 8, 2]  # "2 3" last seen before 7 8
+    assert prompt_lookup_draft(ids + [7], 5) == [8, 2, 3, 7]  # "2 3 7" -> 8 2 3 7
+    assert prompt_lookup_draft([1, 2, 3, 4], 4) == []  # no repeat
+    assert prompt_lookup_draft(ids, 0) == []
+
+
+@pytest.mark.parametrize("sp", [{"temperature": 0}, {"temperature": 0.3, "top_k": 5, "seed": 7}])
+def test_drafts_never_change_outputs(make_tiny_model, sp):
+    """The tiny tied model falls into loops ("18 18 18 ..."), which its own earlier n-grams
+    predict: drafts are proposed and accepted, and the outputs (ids and logprobs, one request
+    at a time and batched) are those of plain decoding in fewer forward passes."""
+    path, _ = make_tiny_model("tied")
+    phrase = [11, 12, 13, 14, 15, 16, 17, 18]
+    prompts = [phrase * 4, phrase * 2 + [40, 41], [5, 6, 7, 5, 6, 7, 5, 6]]
+    params = {"max_new_tokens": 24, "ignore_eos": True, **sp}
+    outs, passes = {}, {}
+    for k in (0, 6):
+        eng = Engine(path, dtype="float32", context_length=256, max_total_tokens=2048,
+                     speculative_ngram=k)
+
+        def run(batch):
+            res = eng.generate(input_ids=batch, sampling_params=params, return_logprob=True)
+            return [(o["output_ids"], [round(lp, 4) for lp, _ in
+                                       o["meta_info"]["output_token_logprobs"]]) for o in res]
+
+        outs[k] = [run([p])[0] for p in prompts] + run(prompts)
+        passes[k] = eng.scheduler.stats.forward_passes
+        if k:
+            stats = eng.scheduler.stats
+            assert stats.accepted_draft_tokens > 0
+            assert stats.accepted_draft_tokens <= stats.draft_tokens
+    assert outs[6] == outs[0]
+    if sp["temperature"] == 0:
+        assert passes[6] < passes[0]
