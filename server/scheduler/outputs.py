@@ -14,8 +14,8 @@ from typing import Any, Sequence
 import torch
 
 from server.constrained.jump_forward import draft_tokens
-from server.scheduler.ngram import prompt_lookup_draft
 from server.model.sampling import Sampler, top_logprobs
+from server.scheduler.ngram import prompt_lookup_draft
 from server.scheduler.request import FinishReason, Req
 
 
