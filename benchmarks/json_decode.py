@@ -3,6 +3,7 @@
 fixed length, then a JSON object with several constrained fields.
 
     python -m benchmarks.json_decode [--doc-tokens 512] [--in-flight 4] [--repeats 2]
+                                     [--speculative-ngram K]
 
 Documents are cached first with prefill-only requests (not timed), so the table measures the
 decoding that jump-forward changes. Engines with jump-forward off and on are alternated A/B to
@@ -89,12 +90,19 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--device", default="cpu", help="cpu, cuda[:N] or auto")
     ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--speculative-ngram", type=int, default=0, help="add a third engine: "
+                    "jump-forward on plus prompt-lookup drafts of up to K tokens (values copied "
+                    "from the page)")
     args = ap.parse_args()
-    engines = {name: Engine(args.model, max_total_tokens=65536, disable_jump_forward=off,
-                            device=args.device, attention_backend=args.attention_backend)
-               for name, off in (("off", True), ("on", False))}
+    modes = {"off": {"disable_jump_forward": True}, "on": {}}
+    if args.speculative_ngram:
+        modes[f"on + ngram {args.speculative_ngram}"] = {
+            "speculative_ngram": args.speculative_ngram}
+    engines = {name: Engine(args.model, max_total_tokens=65536, device=args.device,
+                            attention_backend=args.attention_backend, **kw)
+               for name, kw in modes.items()}
     prompts = city_prompts(engines["off"], args.doc_tokens)
-    results: dict[str, list[dict]] = {"off": [], "on": []}
+    results: dict[str, list[dict]] = {name: [] for name in engines}
     for _ in range(args.repeats):
         for name, eng in engines.items():
             eng.flush_cache()
@@ -119,6 +127,13 @@ def main() -> None:
     speed = float(rows[1][3]) / float(rows[0][3])
     print(f"jump-forward on vs off: {speed:.2f}x programs/s; identical outputs {same}/"
           f"{len(prompts)}; grammar compile time {compile_s * 1000:.1f} ms (one schema, cached)")
+    if args.speculative_ngram:
+        name = list(engines)[2]
+        st = engines[name].scheduler.stats
+        print(f"{name} vs on: {float(rows[2][3]) / float(rows[1][3]):.2f}x programs/s; "
+              f"identical outputs {_identical(results['on'][-1], results[name][-1])}/"
+              f"{len(prompts)}; drafts accepted {st.accepted_draft_tokens}/{st.draft_tokens} "
+              "(jump-forward and n-gram together)")
     print(f"control, jump-forward off at {args.in_flight} vs {control_in_flight} in flight: "
           f"identical outputs {control}/{len(prompts)}")
 

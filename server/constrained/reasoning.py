@@ -61,6 +61,12 @@ class ReasoningGatedMatcher:
         return self._m.accept(token_id)
 
     @property
+    def drafts_allowed(self) -> bool:
+        """Drafts may be checked against the grammar only once it applies (rollback undoes
+        grammar tokens, not the thinking)."""
+        return self.state == ACTIVE
+
+    @property
     def terminated(self) -> bool:
         return self.state == ACTIVE and self._m.terminated
 

@@ -15,7 +15,7 @@ import torch
 
 from server.constrained.jump_forward import draft_tokens
 from server.model.sampling import Sampler, top_logprobs
-from server.scheduler.ngram import prompt_lookup_draft
+from server.scheduler.ngram import grammar_prefix, prompt_lookup_draft
 from server.scheduler.request import FinishReason, Req
 
 
@@ -91,7 +91,8 @@ def check_finished(req: Req, tok: int, context_len: int,
     """Stop conditions on token ids after appending ``tok`` (stop strings are matched on text
     by the front ends, which then abort the request); advances the grammar. A grammar that
     rejects the token ends the request with an error. With ``jump_forward_tokenizer``, sets
-    ``req.draft`` to the tokens the grammar forces next."""
+    ``req.draft`` to the tokens the grammar forces next; where it forces none and
+    ``ngram_tokens`` is set, to a prompt-lookup draft (cut where the grammar would reject it)."""
     p = req.params
     if req.grammar is not None:
         if not req.grammar.accept(tok):
@@ -105,6 +106,7 @@ def check_finished(req: Req, tok: int, context_len: int,
     room = min(p.max_new_tokens - len(req.output_ids), context_len - req.fill_len - 1)
     if req.grammar is not None and jump_forward_tokenizer is not None:
         req.draft = draft_tokens(req.grammar, jump_forward_tokenizer, tok, room)
-    elif req.grammar is None and ngram_tokens:
-        req.draft = prompt_lookup_draft(req.fill_ids, min(room, ngram_tokens))
+    if not req.draft and ngram_tokens:
+        draft = prompt_lookup_draft(req.fill_ids, min(room, ngram_tokens))
+        req.draft = draft if req.grammar is None else grammar_prefix(req.grammar, draft)
     return None

@@ -46,3 +46,20 @@ def test_drafts_never_change_outputs(make_tiny_model, sp):
     assert outs[6] == outs[0]
     if sp["temperature"] == 0:
         assert passes[6] < passes[0]
+
+
+def test_constrained_requests_take_ngram_drafts_the_grammar_accepts(make_tiny_model):
+    """A regex leaves a choice at every digit, so jump-forward drafts nothing; n-gram drafts of
+    the repeating digits are cut where the grammar would reject them, and outputs stay those
+    of plain decoding."""
+    path, _ = make_tiny_model("tied")
+    params = {"max_new_tokens": 30, "temperature": 0, "regex": "[0-9a-z ]{0,60}"}
+    prompt = [11, 12, 13, 14, 15, 16, 17, 18] * 3
+    outs, stats = {}, {}
+    for k in (0, 6):
+        eng = Engine(path, dtype="float32", context_length=256, max_total_tokens=2048,
+                     speculative_ngram=k)
+        outs[k] = eng.generate(input_ids=prompt, sampling_params=params)["output_ids"]
+        stats[k] = eng.scheduler.stats
+    assert outs[6] == outs[0]
+    assert stats[6].accepted_draft_tokens > 0 and stats[0].draft_tokens == 0
