@@ -40,6 +40,15 @@ def draft_tokens(matcher: Any, tokenizer: Any, last_token: int, max_tokens: int)
     full = tokenizer.decode([last_token] + ids, skip_special_tokens=False)
     if not forced.startswith(full[len(last):]) or not full.startswith(last):
         return []
+    return accepted_prefix(matcher, ids)
+
+
+def accepted_prefix(matcher: Any, ids: list[int]) -> list[int]:
+    """The longest prefix of draft ``ids`` the grammar accepts from its current state (the
+    matcher is left exactly as it was); [] while the grammar is held back (a reasoning model
+    thinking: ``drafts_allowed`` False)."""
+    if not getattr(matcher, "drafts_allowed", True):
+        return []
     accepted = 0
     for t in ids:
         if not matcher.accept(t):

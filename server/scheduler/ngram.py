@@ -11,7 +11,7 @@ Decoding" (2023), as in vLLM's ``ngram`` speculative proposer.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence
 
 
 def prompt_lookup_draft(ids: Sequence[int], max_tokens: int, max_ngram: int = 3,
@@ -33,16 +33,3 @@ def prompt_lookup_draft(ids: Sequence[int], max_tokens: int, max_ngram: int = 3,
                     return draft
     return []
 
-
-def grammar_prefix(matcher: Any, draft: list[int]) -> list[int]:
-    """The longest prefix of ``draft`` the grammar accepts from its current state (the matcher
-    is left as it was); [] while the grammar is held back (a reasoning model thinking)."""
-    if not getattr(matcher, "drafts_allowed", True):
-        return []
-    accepted = 0
-    for t in draft:
-        if not matcher.accept(t):
-            break
-        accepted += 1
-    matcher.rollback(accepted)
-    return draft[:accepted]

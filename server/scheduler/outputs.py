@@ -13,9 +13,9 @@ from typing import Any, Sequence
 
 import torch
 
-from server.constrained.jump_forward import draft_tokens
+from server.constrained.jump_forward import accepted_prefix, draft_tokens
 from server.model.sampling import Sampler, top_logprobs
-from server.scheduler.ngram import grammar_prefix, prompt_lookup_draft
+from server.scheduler.ngram import prompt_lookup_draft
 from server.scheduler.request import FinishReason, Req
 
 
@@ -108,5 +108,5 @@ def check_finished(req: Req, tok: int, context_len: int,
         req.draft = draft_tokens(req.grammar, jump_forward_tokenizer, tok, room)
     if not req.draft and ngram_tokens:
         draft = prompt_lookup_draft(req.fill_ids, min(room, ngram_tokens))
-        req.draft = draft if req.grammar is None else grammar_prefix(req.grammar, draft)
+        req.draft = draft if req.grammar is None else accepted_prefix(req.grammar, draft)
     return None

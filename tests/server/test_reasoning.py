@@ -17,9 +17,9 @@ import torch
 from openai import OpenAI
 
 from server.constrained.grammar import GrammarCompiler, GrammarSpec
+from server.constrained.jump_forward import accepted_prefix
 from server.constrained.reasoning import ReasoningGatedMatcher
 from server.reasoning import ReasoningParser, ReasoningParserError, ReasoningStream, split
-from server.scheduler.ngram import grammar_prefix
 from sgl_adapters.backends.runtime import Runtime
 
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
@@ -95,7 +95,7 @@ def test_gate_holds_the_grammar_until_the_reasoning_ends(thinking_model):
     plain = grammars.matcher(GrammarSpec("regex", "(yes|no)"), eos).allowed_mask()
     g = gate(True)
     assert bool(g.allowed_mask().all())  # anything while thinking, grammar untouched
-    assert grammar_prefix(g, tok.encode("yes", add_special_tokens=False)) == []  # no drafts
+    assert accepted_prefix(g, tok.encode("yes", add_special_tokens=False)) == []  # no drafts
     free = tok.encode(" (maybe) 42", add_special_tokens=False)
     assert all(g.accept(t) for t in free) and not g.terminated
     assert g.jump_forward_string() == ""
