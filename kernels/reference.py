@@ -7,6 +7,8 @@
   over sequences costs little).
 * :func:`decode_attention`: one query per sequence over a padded [B, max_len] gather of its KV
   (one batched call per layer; the index rows and mask are built once per batch and window).
+  In a mixed extend batch (decodes riding along with prefill chunks) the 1-token sequences take
+  this path too.
 * Sliding windows (``window`` W: a token sees the last W positions, itself included) gather
   only those positions; attention-logit soft-capping (Gemma 2) runs as explicit matmuls.
 
@@ -59,17 +61,21 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
 def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      req_to_token: torch.Tensor, req_rows: list[int], prefix_lens: list[int],
                      extend_lens: list[int], scale: float, window: int = 0,
-                     softcap: float = 0.0) -> torch.Tensor:
+                     softcap: float = 0.0, starts: list[int] | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, Hq, D]; k_cache/v_cache: [C, Hkv, D] already holding the new tokens' K/V.
 
     Returns [T, Hq, D]: token i of sequence b (position p = prefix_lens[b] + i) attends to
     positions [0, p] of that sequence, or with ``window`` W > 0 to (p - W, p] (HF's
     ``sliding_window_overlay``: the last W positions, itself included); only those K/V rows
-    are gathered. ``softcap``: see :func:`_sdpa`.
+    are gathered. ``softcap``: see :func:`_sdpa`. ``starts``: row of q where each sequence's
+    tokens begin (default: consecutive); ``out``: written in place (rows of other sequences
+    are left as they are).
     """
-    out = torch.empty_like(q)
-    start = 0
-    for row, prefix, n in zip(req_rows, prefix_lens, extend_lens):
+    out = torch.empty_like(q) if out is None else out
+    if starts is None:
+        starts = [sum(extend_lens[:i]) for i in range(len(extend_lens))]
+    for row, prefix, n, start in zip(req_rows, prefix_lens, extend_lens, starts):
         total = prefix + n
         lo = max(0, prefix - window + 1) if window else 0
         idx = req_to_token[row, lo:total]
@@ -88,7 +94,6 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                 mask &= cols[None, :] > rows[:, None] - window
             o = _sdpa(qb, k, v, mask[None, None], scale, softcap)
         out[start:start + n] = o[0].transpose(0, 1).to(q.dtype)
-        start += n
     return out
 
 
@@ -140,10 +145,33 @@ class ReferenceAttention:
         self.inputs: AttentionInputs | None = None
         # decode index rows and masks of this batch, per window size (0 = full attention)
         self._decode_meta: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._mixed: tuple | None = None  # a mixed extend batch's 1-token sequences (begin())
 
     def begin(self, inputs: AttentionInputs) -> None:
         self.inputs = inputs
         self._decode_meta = {}
+        self._mixed = None
+        if not inputs.is_decode and inputs.extend_lens.count(1) > 1:
+            # A mixed batch: its 1-token sequences (decodes riding along with a prefill) take
+            # one batched decode call per layer instead of one SDPA call each.
+            starts, t = [], 0
+            for n in inputs.extend_lens:
+                starts.append(t)
+                t += n
+            single = [b for b, n in enumerate(inputs.extend_lens) if n == 1]
+            multi = [b for b, n in enumerate(inputs.extend_lens) if n != 1]
+            self._mixed = (
+                [inputs.req_rows[b] for b in single], [inputs.prefix_lens[b] + 1 for b in single],
+                torch.tensor([starts[b] for b in single], device=inputs.out_cache_loc.device),
+                [[inputs.req_rows[b] for b in multi], [inputs.prefix_lens[b] for b in multi],
+                 [inputs.extend_lens[b] for b in multi], [starts[b] for b in multi]])
+
+    def _decode_rows(self, window: int, req_rows: list[int],
+                     seq_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        if window not in self._decode_meta:
+            self._decode_meta[window] = decode_indices(self.inputs.req_to_token, req_rows,
+                                                       seq_lens, window)
+        return self._decode_meta[window]
 
     def store_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         loc = self.inputs.out_cache_loc
@@ -154,13 +182,18 @@ class ReferenceAttention:
     def attend(self, layer: int, q: torch.Tensor, scale: float, window: int = 0,
                softcap: float = 0.0) -> torch.Tensor:
         inp = self.inputs
+        k_cache, v_cache = self.k_buffers[layer], self.v_buffers[layer]
         if inp.is_decode:
-            if window not in self._decode_meta:
-                self._decode_meta[window] = decode_indices(inp.req_to_token, inp.req_rows,
-                                                           inp.seq_lens, window)
-            indices, mask = self._decode_meta[window]
-            return decode_attention(q, self.k_buffers[layer], self.v_buffers[layer], indices,
-                                    mask, scale, softcap)
-        return extend_attention(q, self.k_buffers[layer], self.v_buffers[layer],
-                                inp.req_to_token, inp.req_rows, inp.prefix_lens,
-                                inp.extend_lens, scale, window, softcap)
+            indices, mask = self._decode_rows(window, inp.req_rows, inp.seq_lens)
+            return decode_attention(q, k_cache, v_cache, indices, mask, scale, softcap)
+        if self._mixed is None:
+            return extend_attention(q, k_cache, v_cache, inp.req_to_token, inp.req_rows,
+                                    inp.prefix_lens, inp.extend_lens, scale, window, softcap)
+        rows, seq_lens, tokens, (m_rows, m_prefix, m_lens, m_starts) = self._mixed
+        out = torch.empty_like(q)
+        extend_attention(q, k_cache, v_cache, inp.req_to_token, m_rows, m_prefix, m_lens, scale,
+                         window, softcap, starts=m_starts, out=out)
+        indices, mask = self._decode_rows(window, rows, seq_lens)
+        out[tokens] = decode_attention(q[tokens], k_cache, v_cache, indices, mask, scale,
+                                       softcap)
+        return out

@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--schedule-policy", choices=SCHEDULE_POLICIES, default="lpm", help="waiting-queue order: "
       "lpm = longest cached prefix first (default), dfs_weight, fcfs, random")
     a("--disable-radix-cache", action="store_true", help="turn prefix reuse off")
+    a("--disable-mixed-chunk", action="store_true", help="prefill-first batches: running "
+      "requests decode only when no prompt is waiting (default: every extend batch also "
+      "decodes them)")
     a("--disable-jump-forward", action="store_true", help="decode strings a grammar forces token "
       "by token instead of verifying them in one pass (outputs are the same either way)")
     a("--speculative-ngram", type=int, default=0, help="prompt-lookup speculative decoding: "
@@ -116,6 +119,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, HTTPConfi
                                   chunked_prefill_size=args.chunked_prefill_size,
                                   schedule_policy=args.schedule_policy,
                                   disable_jump_forward=args.disable_jump_forward,
+                                  mixed_chunk=not args.disable_mixed_chunk,
                                   speculative_ngram=args.speculative_ngram),
         parallel=ParallelConfig(tp_size=args.tp_size, nnodes=args.nnodes,
                                 node_rank=args.node_rank, dist_init_addr=args.dist_init_addr),

@@ -134,6 +134,9 @@ class SchedulerConfig:
         max_cache_aware_queue: above this many waiting requests, lpm/dfs_weight fall back to
             fcfs (matching every request against the tree each step costs time).
         disable_jump_forward: decode forced strings of constrained requests token by token.
+        mixed_chunk: extend batches also carry one decode token of every running request
+            (decoding never waits behind arriving prompts); False = prefill-first, decode only
+            when no prompt is waiting.
         speculative_ngram: draft up to this many tokens per step from the sequence's own
             earlier n-grams (prompt lookup, :mod:`server.scheduler.ngram`), verified like
             jump-forward drafts (outputs unchanged); 0 = off.
@@ -146,6 +149,7 @@ class SchedulerConfig:
     starvation_limit_steps: int = 64
     max_cache_aware_queue: int = 128
     disable_jump_forward: bool = False
+    mixed_chunk: bool = True
     speculative_ngram: int = 0
 
     def __post_init__(self) -> None:

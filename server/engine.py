@@ -64,7 +64,8 @@ class Engine:
         **kwargs: any field of ModelConfig (dtype, device, context_length, served_model_name),
             CacheConfig (max_total_tokens, mem_fraction, disable_radix_cache), SchedulerConfig
             (max_running_requests, chunked_prefill_size, schedule_policy, max_new_tokens_reserve,
-            starvation_limit_steps, max_cache_aware_queue, disable_jump_forward), or ``seed``.
+            starvation_limit_steps, max_cache_aware_queue, disable_jump_forward, mixed_chunk,
+            speculative_ngram), or ``seed``.
 
         config: a whole EngineConfig instead of ``model`` and keywords (the server uses this).
 

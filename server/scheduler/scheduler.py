@@ -14,6 +14,11 @@ and memory last. Memory for admission counts free plus evictable slots, minus a 
 what admitted requests will still need: their uncomputed prompt plus
 ``min(remaining max_new_tokens, max_new_tokens_reserve)``.
 
+Mixed batches (``mixed_chunk``, SGLang's ``--enable-mixed-chunk``; vLLM's chunked prefill
+schedules the same way): every extend batch also carries one decode token of each running
+request, so decoding advances in every pass. Prefill-first alone lets a steady stream of arriving
+prompts (the calls of other programs) hold running requests back for as long as it lasts.
+
 In-batch prefix sharing (cache-aware policies): a request whose *uncached* part shares at least
 ``IN_BATCH_SHARE_THRESHOLD`` tokens with a request being prefilled in the same step is deferred
 one step, so it reuses that KV from the cache instead of computing it a second time (SGLang's
@@ -224,9 +229,11 @@ class Scheduler:
             budget -= n
             if in_step is not None:
                 in_step.insert(req.fill_ids, _NO_SLOTS.new_zeros(req.fill_len), req.namespace)
-        if chunks and all(r.draft for r, _, _ in chunks) and not admitted:
-            # Only jump-forward verifications: decode the running requests in the same pass
-            # (as 1-token extends) instead of splitting the step in two.
+        if chunks and (self.config.mixed_chunk or (all(r.draft for r, _, _ in chunks)
+                                                   and not admitted)):
+            # Mixed batch: the running requests decode in the same pass (as 1-token extends),
+            # so a stream of arriving prompts never stalls decoding. Without mixing, this is
+            # done only for a pass of jump-forward verifications.
             for req in list(self.running):
                 slots = self._alloc(1, keep={id(r) for r, _, _ in chunks} | {id(req)})
                 if slots is None or req.status is not ReqStatus.RUNNING:

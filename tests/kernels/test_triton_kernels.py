@@ -214,3 +214,23 @@ def test_reference_window_equals_masked_full_attention():
     assert indices.shape == (1, w) and indices[0].tolist() == list(range(19, 25))
     got = reference.decode_attention(q[-1:], k, v, indices, mask, d ** -0.5)
     torch.testing.assert_close(got, want[-1:], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_reference_backend_mixed_batch_equals_per_sequence_extend(window):
+    """A mixed extend batch (prefill chunks with 1-token decodes between and after them) gives
+    the decodes the batched decode path and the chunks the per-sequence path: together equal
+    to per-sequence extend attention over the whole batch."""
+    d = 16
+    k, v = pool(128, 2, d, torch.float32, "cpu", seed=3)
+    table = torch.arange(128).view(4, 32)
+    rows, prefix, lens = [0, 1, 2, 3], [9, 0, 20, 4], [1, 7, 1, 1]
+    q = torch.randn(sum(lens), 4, d, generator=torch.Generator().manual_seed(3))
+    want = reference.extend_attention(q, k, v, table, rows, prefix, lens, d ** -0.5, window)
+    backend = reference.ReferenceAttention([k], [v])
+    backend.begin(AttentionInputs(is_decode=False, req_to_token=table, req_rows=rows,
+                                  prefix_lens=prefix, extend_lens=lens,
+                                  out_cache_loc=torch.zeros(sum(lens), dtype=torch.int64)))
+    assert backend._mixed is not None
+    got = backend.attend(0, q, d ** -0.5, window)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

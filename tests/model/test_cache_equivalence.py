@@ -62,6 +62,7 @@ def run_cached(path, prompts, **kwargs):
     {}, {"chunked_prefill_size": 7}, {"chunked_prefill_size": 13},
     {"chunked_prefill_size": 1024}, {"schedule_policy": "dfs_weight"},
     {"schedule_policy": "fcfs", "max_running_requests": 4},
+    {"chunked_prefill_size": 7, "mixed_chunk": False},
 ])
 def test_cache_on_equals_off(tiny_path, reference, kwargs):
     prompts, want = reference

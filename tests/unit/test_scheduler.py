@@ -456,3 +456,33 @@ def test_metrics_snapshot_tracks_the_lifecycle():
     assert m["cache_hit_rate"] == pytest.approx(40 / 81)
     assert m["generated_tokens"] == 8 and m["finished_requests"] == 2
     assert m["kv_cached_tokens"] + m["kv_free_tokens"] == m["kv_capacity_tokens"]
+
+
+@pytest.mark.parametrize("mixed", [True, False])
+def test_arriving_prompts_do_not_stall_decoding_with_mixed_chunks(mixed):
+    """A new prompt every step: with mixed chunks the running request decodes in every
+    extend batch (a 1-token row) and finishes in max_new steps; prefill-first holds it back
+    until the arrivals stop. Outputs are exact either way."""
+    sched, runner = make(capacity=1024, rows=16, mixed_chunk=mixed, chunked_prefill_size=16)
+    r = req("r", [5, 6, 7], 6)
+    sched.add_request(r)
+    finished_at = None
+    for step in range(40):
+        if step < 12:
+            sched.add_request(req(f"new{step}", [20 + step] * 10, 1))
+        b = sched.step()
+        if b is None:
+            break
+        if mixed and step > 0 and not r.finished and b.mode is ForwardMode.EXTEND:
+            i = b.req_ids.index("r")
+            assert b.extend_lens[i] == 1
+        if any(d.rid == "r" and d.finish_reason for d in sched.update(b, runner.forward(b))):
+            finished_at = step
+        sched.check_invariants()
+    run(sched, runner)
+    assert r.output_ids == expected_output([5, 6, 7], 6)
+    if mixed:
+        assert finished_at == 5  # the prefill samples the 1st token, each next step one more
+    else:
+        assert finished_at >= 12  # decoded only once the stream of prompts ended
+    assert_all_free(sched)
