@@ -29,6 +29,7 @@ from server.config import ConfigError, EngineConfig, resolve
 from server.constrained.grammar import GrammarCompiler
 from server.constrained.reasoning import ReasoningGatedMatcher
 from server.detokenizer import OutputText
+from server.model.forward_batch import ImageInput
 from server.model.loader import load_model
 from server.model.parallel import TPGroup, TPShard
 from server.model.runner import ModelRunner
@@ -45,6 +46,7 @@ from server.model.tp_worker import (
     start_local_workers,
     threads_per_rank,
 )
+from server.multimodal import ImageError, check_image, expand_image_tokens, vision_spec
 from server.scheduler.outputs import TokenDelta
 from server.scheduler.request import LogprobOptions, Req
 from server.scheduler.scheduler import Scheduler
@@ -113,6 +115,9 @@ class Engine:
                                    seed=self.config.seed, tokenizer=loaded.tokenizer)
         self.eos_ids = frozenset(self._eos_ids())
         self._grammars: GrammarCompiler | None = None
+        self.vision_spec = vision_spec(loaded.vision) if loaded.vision is not None else None
+        self._image_processor = None
+        self._model_path = loaded.path
         if self.runner.compiled:
             self._warm_up()
 
@@ -193,14 +198,19 @@ class Engine:
 
     def make_request(self, prompt: Prompt, params: SamplingParams,
                      logprobs: LogprobOptions = LogprobOptions(), rid: str | None = None,
-                     cache_salt: str | None = None, reasoning: Any = None) -> Req:
+                     cache_salt: str | None = None, reasoning: Any = None,
+                     images: Sequence[tuple[int, int, bytes]] = ()) -> Req:
         """Tokenize and wrap one prompt (str or token ids) as a scheduler request.
 
         ``cache_salt`` puts the request in its own radix-cache namespace: it shares cached KV
         only with requests of the same salt. ``reasoning`` (a
         :class:`server.protocol.ReasoningGate`) holds the grammar back while the model
-        thinks. Raises GrammarError for a constraint that does not compile."""
+        thinks. ``images``: (offset, radix key, encoded bytes) of each image of a prompt whose
+        image tokens are already expanded (:meth:`expand_images`). Raises GrammarError for a
+        constraint that does not compile, InvalidRequestError for images a model cannot
+        take."""
         ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        image_inputs = self._image_inputs(ids, images) if images else ()
         grammar = (self.grammars.matcher(params.grammar, sorted(self.eos_ids))
                    if params.grammar is not None else None)
         if grammar is not None and reasoning is not None:
@@ -208,18 +218,53 @@ class Engine:
                                             reasoning.start_id)
         return Req(rid=rid or uuid.uuid4().hex, input_ids=ids, params=params,
                    eos_ids=self.eos_ids, logprobs=logprobs, namespace=cache_salt,
-                   grammar=grammar)
+                   grammar=grammar, images=image_inputs)
+
+    def expand_images(self, ids: Sequence[int], images: Sequence[bytes]
+                      ) -> tuple[list[int], list[tuple[int, int, bytes]]]:
+        """Check ``images`` (encoded bytes) and expand the prompt's image tokens
+        (:mod:`server.multimodal`); returns the ids and :meth:`make_request`'s ``images``.
+        Raises InvalidRequestError (param "image_data")."""
+        if self.vision_spec is None:
+            raise InvalidRequestError("image_data", "this model is text-only")
+        try:
+            keys = [check_image(b) for b in images]
+            ids, offsets = expand_image_tokens(ids, self.vision_spec, len(images),
+                                               self.tokenizer.bos_token_id)
+        except ImageError as exc:
+            raise InvalidRequestError("image_data", str(exc)) from exc
+        return ids, list(zip(offsets, keys, images))
+
+    def _image_inputs(self, ids: list[int], images: Sequence[tuple[int, int, bytes]]
+                      ) -> tuple[ImageInput, ...]:
+        spec = self.vision_spec
+        if spec is None:
+            raise InvalidRequestError("image_data", "this model is text-only")
+        if self._image_processor is None:
+            from server.model.vision import ImageProcessor
+
+            self._image_processor = ImageProcessor(self._model_path)
+        out = []
+        for offset, key, data in images:
+            n = spec.tokens_per_image
+            if ids[offset:offset + n] != [spec.image_token_id] * n:
+                raise InvalidRequestError("image_data", f"no run of {n} image tokens at {offset}")
+            out.append(ImageInput(offset, n, key, self._image_processor(data)))
+        return tuple(out)
 
     # ---------------------------------------------------------------- generation
     def generate(self, prompt: Prompt | Sequence[Prompt] | None = None,
                  sampling_params: Mapping[str, Any] | SamplingParams | None = None, *,
                  input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
                  return_logprob: bool = False, logprob_start_len: int = -1,
-                 top_logprobs_num: int = 0, cache_salt: str | None = None) -> dict | list[dict]:
+                 top_logprobs_num: int = 0, cache_salt: str | None = None,
+                 image_data: Sequence[bytes] = ()) -> dict | list[dict]:
         """Generate for one prompt (returns a dict) or a batch (returns a list).
 
         ``prompt`` is text or a list of texts; ``input_ids`` token ids or a list of them. With
         ``n > 1`` a single prompt returns a list of n outputs, a batch a flat list (prompt-major).
+        ``image_data``: encoded images (PNG, JPEG, ...) of a single prompt, one per image token
+        in it (or placed at its start when it has none); multimodal models only.
 
         Raises:
             SamplingParamsError, InvalidRequestError: before anything is queued.
@@ -233,12 +278,20 @@ class Engine:
         params = (sampling_params if isinstance(sampling_params, SamplingParams)
                   else SamplingParams.from_dict(sampling_params))
         lp = LogprobOptions(return_logprob, logprob_start_len, top_logprobs_num)
+        images: list = []
+        if image_data:
+            if not single:
+                raise InvalidRequestError("image_data", "images go with a single prompt")
+            p = prompts[0]
+            prompts[0], images = self.expand_images(
+                self.encode(p) if isinstance(p, str) else list(p), image_data)
         reqs = []
         for p in prompts:
             for i in range(params.n):
                 seeded = params if params.seed is None or params.n == 1 else \
                     _replace_seed(params, params.seed + i)
-                reqs.append(self.make_request(p, seeded, lp, cache_salt=cache_salt))
+                reqs.append(self.make_request(p, seeded, lp, cache_salt=cache_salt,
+                                              images=images))
         outputs = self.run(reqs)
         return outputs[0] if single and params.n == 1 else outputs
 

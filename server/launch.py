@@ -29,6 +29,7 @@ from server.config import EngineConfig, HTTPConfig
 from server.http.app import create_app
 from server.http.tokenizer_manager import TokenizerManager
 from server.model.files import load_tokenizer
+from server.multimodal import model_vision_spec
 from server.reasoning import ReasoningParser, ReasoningParserError
 from server.scheduler.entry import run_scheduler
 
@@ -71,7 +72,8 @@ async def serve(engine_config: EngineConfig, http: HTTPConfig) -> int:
             asyncio.to_thread(load_tokenizer, engine_config.model.path),
             _wait_ready(recv, proc, http.startup_timeout))
         manager = TokenizerManager(tokenizer, ready, send, recv, http.max_queued_requests,
-                                   ReasoningParser.for_tokenizer(http.reasoning_parser, tokenizer))
+                                   ReasoningParser.for_tokenizer(http.reasoning_parser, tokenizer),
+                                   model_vision_spec(model_path))
         app = create_app(manager, model_name=engine_config.model.served_model_name
                          or ready.model_name, model_path=model_path, api_key=http.api_key,
                          max_body_bytes=http.max_body_bytes,

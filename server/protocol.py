@@ -35,6 +35,15 @@ class ReasoningGate(msgspec.Struct):
     start_id: int | None = None
 
 
+class ImagePart(msgspec.Struct):
+    """One image of a request: its token run starts at ``offset`` (ids already expanded),
+    ``key`` is its radix-cache id, ``data`` the encoded bytes (checked by the HTTP process)."""
+
+    offset: int
+    key: int
+    data: bytes
+
+
 class GenerateReq(msgspec.Struct, tag=True):
     """A tokenized, validated request. ``sampling`` holds SamplingParams fields by name."""
 
@@ -46,6 +55,7 @@ class GenerateReq(msgspec.Struct, tag=True):
     top_logprobs_num: int = 0
     namespace: str | None = None
     reasoning: ReasoningGate | None = None
+    images: list[ImagePart] = []
 
 
 class AbortReq(msgspec.Struct, tag=True):

@@ -60,6 +60,46 @@ def make_tiny_model(tmp_path_factory, default_tokenizer) -> Callable[..., tuple[
 
 
 @pytest.fixture(scope="session")
+def tiny_llava(tmp_path_factory, default_tokenizer):
+    """(checkpoint dir, transformers LlavaForConditionalGeneration, fp32): a CLIP tower on
+    28x28 images with 14-pixel patches (4 patches + CLS; the "default" strategy drops CLS: 4
+    positions per image), the projector and the tiny Llama; the tokenizer gains "<image>"
+    (id ``tests.helpers.IMAGE_TOKEN``); a CLIP image processor."""
+    import copy
+
+    from transformers import (
+        CLIPImageProcessor,
+        CLIPVisionConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+    )
+
+    from tests.helpers import IMAGE_TOKEN, TINY_VOCAB
+
+    text = tiny_config("llama", vocab_size=TINY_VOCAB + 1)
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=2, image_size=28, patch_size=14,
+                              projection_dim=32)
+    config = LlavaConfig(vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN,
+                         vision_feature_layer=-2, vision_feature_select_strategy="default")
+    torch.manual_seed(0)
+    model = LlavaForConditionalGeneration(config).eval()
+    with torch.no_grad():  # well-separated logits, as make_tiny_model does
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") and "language_model" in name:
+                p.normal_(1.0, 0.5)
+    path = str(tmp_path_factory.mktemp("tiny-llava"))
+    model.save_pretrained(path)
+    tok = copy.deepcopy(default_tokenizer)
+    tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    assert tok.convert_tokens_to_ids("<image>") == IMAGE_TOKEN
+    tok.save_pretrained(path)
+    CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}) \
+        .save_pretrained(path)
+    return path, model
+
+
+@pytest.fixture(scope="session")
 def tiny_engine(make_tiny_model):
     """An Engine on the tiny Llama (fp32), shared by tests that only need *a* model."""
     from server.engine import Engine

@@ -9,6 +9,7 @@ import torch
 from server.model.loader import default_model_path
 
 TINY_VOCAB = 49152  # the default model's tokenizer vocabulary
+IMAGE_TOKEN = TINY_VOCAB  # "<image>", added to the tiny LLaVA's tokenizer (tiny_llava fixture)
 
 
 def tiny_config(kind: str = "llama", **overrides):
@@ -108,3 +109,28 @@ def assert_no_request_memory(cache) -> None:
     assert cache.pool.num_free + cache.tree.evictable_size == cache.pool.capacity
     assert cache.tree.protected_size == 0
     assert cache.req_table.num_free_rows == cache.req_table.max_requests
+
+
+def png(seed: int, size: tuple[int, int] = (40, 32)) -> bytes:
+    """A PNG of random pixels (a different image per seed)."""
+    import io
+
+    import torch
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(seed)
+    pixels = torch.randint(0, 256, (size[1], size[0], 3), generator=g, dtype=torch.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels.numpy()).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def huge_png() -> bytes:
+    """5000 x 4000 pixels of one colour: a few KB, 20 M pixels once decoded."""
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (5000, 4000), (9, 9, 9)).save(buf, format="PNG")
+    return buf.getvalue()

@@ -6,9 +6,12 @@ unlocked, protected when locked), or a request's *private* range. ``check_invari
 
     free + evictable + protected + private == capacity, and no slot is owned twice.
 
-Token ranges of a request with a table row (positions in ``fill_ids = input_ids + output_ids``):
+The memory a request holds is a :class:`ReqMemory` handle kept here, keyed by request id (the
+scheduler never sees rows, nodes or the tree; it reads lengths through :meth:`alloc_len` and
+:meth:`holds`). Token ranges of a request that holds memory (positions in
+``fill_ids = input_ids + output_ids``; ``computed_len`` is the scheduler's, on the Req):
 
-    [0, prefix_len)            tree slots, locked through ``req.cache_node``
+    [0, prefix_len)            tree slots, locked through the handle's ``node``
     [prefix_len, computed_len) private slots with computed KV
     [computed_len, alloc_len)  private slots allocated for the batch in flight (KV not yet valid)
 
@@ -20,12 +23,16 @@ and the row returned. Without caching, every private slot is freed.
 
 An unfinished request (chunked prefill) is cached the same way but keeps its row: its row is
 rewritten with the tree's slots and its lock moves to the new, deeper node.
+
+What the rest of the server reads: :meth:`usage` (a :class:`CacheUsage` snapshot, for metrics),
+:meth:`match` (cached prefix length and an opaque node handle, for the ordering policies) and
+:meth:`scratch_tree` (an empty tree of the same kind, for in-step sharing checks).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
@@ -49,6 +56,35 @@ class CacheStats:
     evicted_tokens: int = 0
 
 
+@dataclass
+class ReqMemory:
+    """What one request holds: its request-table ``row``, the locked tree ``node`` covering
+    positions [0, prefix_len), and slots allocated up to ``alloc_len`` (tokens)."""
+
+    row: int
+    node: Any
+    prefix_len: int
+    alloc_len: int
+
+
+@dataclass(frozen=True)
+class CacheUsage:
+    """A snapshot of KV memory in tokens: pool ``capacity`` and ``free`` slots, tree slots that
+    are ``evictable`` (unlocked) or ``protected`` (locked by a request), and ``evicted`` tokens
+    since start (or the last stats reset)."""
+
+    capacity: int
+    free: int
+    evictable: int
+    protected: int
+    evicted: int
+
+    @property
+    def held(self) -> int:
+        """Slots held by requests or locked cache entries."""
+        return self.capacity - self.free - self.evictable
+
+
 class CacheManager:
     """Args: pool, req_table, tree (a disabled RadixCache for ``--disable-radix-cache``)."""
 
@@ -57,16 +93,58 @@ class CacheManager:
         self.req_table = req_table
         self.tree = tree
         self.stats = CacheStats()
+        self._held: dict[str, ReqMemory] = {}
 
-    # ------------------------------------------------------------------ sizes
+    # ------------------------------------------------------------------ what the scheduler reads
     @property
     def available(self) -> int:
         """Slots obtainable now: free plus evictable."""
         return self.pool.num_free + self.tree.evictable_size
 
-    def prefix_len(self, req: "Req") -> int:
-        """Read-only length of the cached prefix admission would reuse (for policies)."""
-        return min(self.tree.prefix_len(req.fill_ids, req.namespace)[0], self.max_prefix(req))
+    @property
+    def capacity(self) -> int:
+        return self.pool.capacity
+
+    @property
+    def free_rows(self) -> int:
+        return self.req_table.num_free_rows
+
+    @property
+    def req_to_token(self) -> torch.Tensor:
+        """The request table [max_requests, max_context] int64 the attention backend reads."""
+        return self.req_table.table
+
+    @property
+    def disabled(self) -> bool:
+        """True under ``--disable-radix-cache`` (nothing is ever reused)."""
+        return self.tree.disabled
+
+    def usage(self) -> CacheUsage:
+        tree = self.tree
+        return CacheUsage(self.pool.capacity, self.pool.num_free, tree.evictable_size,
+                          tree.protected_size, self.stats.evicted_tokens)
+
+    def holds(self, rid: str) -> bool:
+        """Whether request ``rid`` holds a row (and KV memory)."""
+        return rid in self._held
+
+    def row(self, rid: str) -> int:
+        """The request-table row of ``rid``; KeyError if it holds none."""
+        return self._held[rid].row
+
+    def alloc_len(self, rid: str) -> int:
+        """Positions of ``rid`` with a KV slot (0 when it holds no memory)."""
+        mem = self._held.get(rid)
+        return mem.alloc_len if mem is not None else 0
+
+    def match(self, req: "Req") -> tuple[int, Any]:
+        """Read-only: (cached prefix length admission would reuse, deepest fully matched node or
+        None); the node is an opaque handle with ``parent`` and ``children`` for the policies."""
+        return self.tree.prefix_len(req.key_ids[:self.max_prefix(req)], req.namespace)
+
+    def scratch_tree(self) -> RadixCache:
+        """An empty tree for bookkeeping that must not touch the cache (in-step sharing)."""
+        return RadixCache()
 
     @staticmethod
     def max_prefix(req: "Req") -> int:
@@ -80,16 +158,17 @@ class CacheManager:
 
     # ------------------------------------------------------------------ admission
     def admit(self, req: "Req") -> PrefixHit:
-        """Match and lock the request's cached prefix and give it a table row holding it.
+        """Match and lock the request's cached prefix and give it a table row holding it; the
+        caller sets ``req.computed_len`` to the returned ``cached_len``.
 
         Raises NoFreeRowError (nothing changed) when no row is free.
         """
+        assert req.rid not in self._held, f"{req.rid} already holds memory"
         row = self.req_table.alloc_row()
-        hit = self.tree.match_prefix(req.fill_ids[:self.max_prefix(req)], req.namespace)
+        hit = self.tree.match_prefix(req.key_ids[:self.max_prefix(req)], req.namespace)
         self.tree.inc_lock_ref(hit.node)
         self.req_table.write(row, 0, hit.slots)
-        req.row, req.cache_node = row, hit.node
-        req.prefix_len = req.computed_len = req.alloc_len = hit.length
+        self._held[req.rid] = ReqMemory(row, hit.node, hit.length, hit.length)
         return PrefixHit(hit.length)
 
     def alloc(self, n: int) -> torch.Tensor | None:
@@ -106,64 +185,67 @@ class CacheManager:
 
     def extend_row(self, req: "Req", slots: torch.Tensor) -> None:
         """Record freshly allocated slots for positions [alloc_len, alloc_len + len(slots))."""
-        self.req_table.write(req.row, req.alloc_len, slots)
-        req.alloc_len += slots.numel()
+        mem = self._held[req.rid]
+        self.req_table.write(mem.row, mem.alloc_len, slots)
+        mem.alloc_len += slots.numel()
 
     def extend_rows_by_one(self, reqs: list["Req"], slots: torch.Tensor) -> None:
         """:meth:`extend_row` with one slot for each request (a decode step), in one table
         write. slots: [len(reqs)] int64."""
-        self.req_table.write_one_each([r.row for r in reqs], [r.alloc_len for r in reqs], slots)
-        for r in reqs:
-            r.alloc_len += 1
+        mems = [self._held[r.rid] for r in reqs]
+        self.req_table.write_one_each([m.row for m in mems], [m.alloc_len for m in mems], slots)
+        for m in mems:
+            m.alloc_len += 1
 
     def truncate_alloc(self, req: "Req") -> None:
         """Free the slots of positions [computed_len, alloc_len) (e.g. rejected drafts)."""
-        if req.alloc_len > req.computed_len:
-            self.pool.free(self.req_table.read(req.row, req.computed_len, req.alloc_len).clone())
-            req.alloc_len = req.computed_len
+        mem = self._held[req.rid]
+        if mem.alloc_len > req.computed_len:
+            self.pool.free(self.req_table.read(mem.row, req.computed_len, mem.alloc_len).clone())
+            mem.alloc_len = req.computed_len
 
     # ------------------------------------------------------------------ caching and release
     def cache_unfinished(self, req: "Req") -> None:
         """Insert the computed prefix of a still-running request; it keeps its row and work."""
-        if self.tree.disabled or req.row is None or req.computed_len <= req.prefix_len:
+        mem = self._held.get(req.rid)
+        if self.tree.disabled or mem is None or req.computed_len <= mem.prefix_len:
             return
-        node = self._insert_computed(req)
-        slots = self.tree.match_prefix(req.fill_ids[:req.computed_len], req.namespace)
-        self.req_table.write(req.row, 0, slots.slots)
+        node = self._insert_computed(req, mem)
+        slots = self.tree.match_prefix(req.key_ids[:req.computed_len], req.namespace)
+        self.req_table.write(mem.row, 0, slots.slots)
         self.tree.inc_lock_ref(node)
-        self.tree.dec_lock_ref(req.cache_node)
-        req.cache_node, req.prefix_len = node, req.computed_len
+        self.tree.dec_lock_ref(mem.node)
+        mem.node, mem.prefix_len = node, req.computed_len
 
     def release(self, req: "Req", cache: bool = True) -> None:
-        """The one release path (finish, abort, error, retract). Idempotent."""
-        if req.row is None:
+        """The one release path (finish, abort, error, retract). Idempotent. The caller resets
+        ``req.computed_len`` (nothing of the request stays in the pool but cached KV)."""
+        mem = self._held.pop(req.rid, None)
+        if mem is None:
             return
-        row = req.row
-        if req.alloc_len > req.computed_len:  # uncomputed slots of a batch in flight
-            self.pool.free(self.req_table.read(row, req.computed_len, req.alloc_len).clone())
-        if cache and not self.tree.disabled and req.computed_len > req.prefix_len:
-            self._insert_computed(req)
+        if mem.alloc_len > req.computed_len:  # uncomputed slots of a batch in flight
+            self.pool.free(self.req_table.read(mem.row, req.computed_len, mem.alloc_len).clone())
+        if cache and not self.tree.disabled and req.computed_len > mem.prefix_len:
+            self._insert_computed(req, mem)
         else:
-            self.pool.free(self.req_table.read(row, req.prefix_len, req.computed_len).clone())
-        self.tree.dec_lock_ref(req.cache_node)
-        self.req_table.free_row(row)
-        req.row, req.cache_node = None, None
-        req.prefix_len = req.computed_len = req.alloc_len = 0
+            self.pool.free(self.req_table.read(mem.row, mem.prefix_len, req.computed_len).clone())
+        self.tree.dec_lock_ref(mem.node)
+        self.req_table.free_row(mem.row)
 
-    def _insert_computed(self, req: "Req"):
+    def _insert_computed(self, req: "Req", mem: ReqMemory):
         """Insert fill_ids[:computed_len]; free our duplicates of what the tree already had.
 
         Private slots are never in the tree (``cache_unfinished`` moves ``prefix_len`` past what
         it inserts), so every slot of ours in [prefix_len, existing_len) is a duplicate."""
-        ours = self.req_table.read(req.row, 0, req.computed_len)
-        result = self.tree.insert(req.fill_ids[:req.computed_len], ours, req.namespace)
-        if result.existing_len > req.prefix_len:
-            self.pool.free(ours[req.prefix_len:result.existing_len].clone())
+        ours = self.req_table.read(mem.row, 0, req.computed_len)
+        result = self.tree.insert(req.key_ids[:req.computed_len], ours, req.namespace)
+        if result.existing_len > mem.prefix_len:
+            self.pool.free(ours[mem.prefix_len:result.existing_len].clone())
         return result.node
 
-    def flush(self, active: Iterable["Req"]) -> bool:
+    def flush(self) -> bool:
         """Drop the whole cache if no request holds memory; False (nothing done) otherwise."""
-        if any(r.row is not None for r in active):
+        if self._held:
             return False
         self.pool.free(self.tree.all_slots())
         self.tree.reset()
@@ -172,9 +254,12 @@ class CacheManager:
     # ------------------------------------------------------------------ checks
     def check_invariants(self, active: Iterable["Req"]) -> None:
         """AssertionError unless free + evictable + protected + private == capacity, every slot
-        has one owner, and the tree's size counters match its contents."""
-        reqs = [r for r in active if r.row is not None]
-        private = [self.req_table.read(r.row, r.prefix_len, r.alloc_len) for r in reqs]
+        has one owner, the tree's size counters match its contents, and exactly the ``active``
+        requests hold memory."""
+        reqs = list(active)
+        assert {r.rid for r in reqs} == set(self._held), "memory held by an inactive request"
+        private = [self.req_table.read(m.row, m.prefix_len, m.alloc_len)
+                   for m in self._held.values()]
         n_private = sum(p.numel() for p in private)
         tree = self.tree
         assert tree.total_size == tree.evictable_size + tree.protected_size, "tree size counters"
@@ -185,5 +270,8 @@ class CacheManager:
         everything = torch.cat([tree.all_slots(), self.pool._free, *private])
         assert everything.unique().numel() == everything.numel(), "a KV slot is owned twice"
         for r in reqs:  # a request's prefix rows are exactly the tree's slots for its key
-            m = tree.prefix_len(r.fill_ids[:r.prefix_len], r.namespace)[0]
-            assert m >= r.prefix_len or tree.disabled, f"{r.rid}: locked prefix not in tree"
+            mem = self._held[r.rid]
+            assert mem.prefix_len <= r.computed_len <= mem.alloc_len <= r.fill_len + len(r.draft), (
+                f"{r.rid}: lengths {mem.prefix_len} / {r.computed_len} / {mem.alloc_len}")
+            m = tree.prefix_len(r.key_ids[:mem.prefix_len], r.namespace)[0]
+            assert m >= mem.prefix_len or tree.disabled, f"{r.rid}: locked prefix not in tree"

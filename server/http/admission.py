@@ -58,7 +58,8 @@ async def admit_chat(manager: TokenizerManager, body: ChatCompletionRequest
     """/v1/chat/completions: (n inputs, the parsed tools, whether replies may be tool calls)."""
     tools = parse_tools(body.tools)
     names = forced_names(tools, body.tool_choice)
-    messages = _messages(body)
+    vision = manager.vision
+    messages, images = _messages(body, vision.image_token if vision is not None else None)
     constraint = None
     use_tools = bool(tools) and names != []
     if use_tools:
@@ -73,6 +74,9 @@ async def admit_chat(manager: TokenizerManager, body: ChatCompletionRequest
         messages, tools=[{"type": "function", "function": t} for t in tools.values()]
         if use_tools and manager.template_renders_tools else None,
         template_kwargs=body.chat_template_kwargs)
+    image_parts: list = []
+    if images:
+        ids, image_parts = await manager.expand_images(ids, images, "messages")
     state = manager.reasoning_state(ids) if body.separate_reasoning else None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
         else body.max_tokens
@@ -80,7 +84,7 @@ async def admit_chat(manager: TokenizerManager, body: ChatCompletionRequest
         max_tokens = _default_max_tokens(manager, len(ids))
     inputs = [GenerateInput(ids, _params(body, max_tokens, j, constraint),
                             return_logprob=body.logprobs, top_logprobs_num=body.top_logprobs or 0,
-                            reasoning_state=state)
+                            reasoning_state=state, images=image_parts)
               for j in range(body.n)]
     for inp in inputs:
         manager.validate(inp, CHAT_NAMES)
@@ -137,6 +141,27 @@ def _default_max_tokens(manager: TokenizerManager, prompt_len: int) -> int:
     return max(room - prompt_len, 0)
 
 
+async def _generate_images(manager: TokenizerManager, image_data: Any, prompts: list[list[int]],
+                           single: bool) -> list[tuple[list[int], list]]:
+    """/generate ``image_data`` (SGLang's shapes: one image or a list of them for a single
+    prompt; a list with one entry, an image or a list, per prompt of a batch) -> (expanded ids,
+    image parts) per prompt. Raises ApiError."""
+    if image_data is None:
+        return [(ids, []) for ids in prompts]
+    if single:
+        per_prompt = [image_data if isinstance(image_data, list) else [image_data]]
+    else:
+        if not isinstance(image_data, list) or len(image_data) != len(prompts):
+            raise ApiError(400, "image_data must have one entry per prompt of the batch",
+                           param="image_data")
+        per_prompt = [x if isinstance(x, list) else ([] if x is None else [x])
+                      for x in image_data]
+    out = []
+    for ids, imgs in zip(prompts, per_prompt):
+        out.append(await manager.expand_images(ids, imgs, "image_data") if imgs else (ids, []))
+    return out
+
+
 async def _prompts(manager: TokenizerManager, prompt: Any) -> list[list[int]]:
     if isinstance(prompt, str):
         return [await manager.encode_async(prompt)]
@@ -149,17 +174,31 @@ async def _prompts(manager: TokenizerManager, prompt: Any) -> list[list[int]]:
     return [list(p) for p in prompt]
 
 
-def _messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
-    out = []
+def _messages(body: ChatCompletionRequest, image_token: str | None = None
+              ) -> tuple[list[dict[str, Any]], list[Any]]:
+    """(template messages, image URLs in order). An ``image_url`` part becomes
+    ``image_token`` in its message's text (None: the model is text-only, a 400)."""
+    out, images = [], []
     for i, m in enumerate(body.messages):
         content = m.content
         if isinstance(content, list):
             texts = []
-            for part in content:
+            for j, part in enumerate(content):
+                where = f"messages[{i}].content[{j}]"
+                if part.type == "image_url" and image_token is not None:
+                    url = part.image_url.get("url") if isinstance(part.image_url, dict) \
+                        else part.image_url
+                    if not isinstance(url, str):
+                        raise ApiError(400, f"{where}.image_url must have a string 'url'",
+                                       param=f"{where}.image_url")
+                    images.append(url)
+                    texts.append(image_token)
+                    continue
                 if part.type != "text" or part.text is None:
-                    raise ApiError(400, f"messages[{i}]: content part type {part.type!r} is not "
-                                   "supported by this text-only model",
-                                   param=f"messages[{i}].content")
+                    raise ApiError(400, f"{where}: content part type {part.type!r} is not "
+                                   "supported by this text-only model" if part.type ==
+                                   "image_url" else f"{where}: content part type {part.type!r} "
+                                   "is not supported", param=f"messages[{i}].content")
                 texts.append(part.text)
             content = "".join(texts)
         role = "system" if m.role == "developer" else m.role
@@ -167,7 +206,7 @@ def _messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
             content = "\n".join(json.dumps(_earlier_call(c, f"messages[{i}].tool_calls[{j}]"))
                                 for j, c in enumerate(m.tool_calls))
         out.append({"role": role, "content": content or ""})
-    return out
+    return out, images
 
 
 def _earlier_call(call: Any, where: str) -> dict[str, Any]:
@@ -193,8 +232,6 @@ async def admit_generate(manager: TokenizerManager, body: GenerateRequest
     """/generate: (one input per prompt, whether the body was a single prompt)."""
     if (body.text is None) == (body.input_ids is None):
         raise ApiError(400, "give exactly one of 'text' and 'input_ids'", param="text")
-    if body.image_data is not None:
-        raise ApiError(400, "image_data: this model is text-only", param="image_data")
     if body.text is not None:
         single = isinstance(body.text, str)
         prompts = [await manager.encode_async(t, "text")
@@ -204,6 +241,7 @@ async def admit_generate(manager: TokenizerManager, body: GenerateRequest
         prompts = [list(body.input_ids)] if single else [list(p) for p in body.input_ids]
     if not prompts:
         raise ApiError(400, "the batch is empty", param="text")
+    images = await _generate_images(manager, body.image_data, prompts, single)
     sp = body.sampling_params
     sps = sp if isinstance(sp, list) else [sp or {}] * len(prompts)
     rids = body.rid if isinstance(body.rid, list) else [body.rid] * len(prompts)
@@ -211,7 +249,7 @@ async def admit_generate(manager: TokenizerManager, body: GenerateRequest
         raise ApiError(400, "sampling_params and rid lists must match the batch size",
                        param="sampling_params")
     inputs = []
-    for k, (ids, d, rid) in enumerate(zip(prompts, sps, rids)):
+    for k, (_, d, rid) in enumerate(zip(prompts, sps, rids)):
         try:
             params = SamplingParams.from_dict(d)
         except SamplingParamsError as exc:
@@ -221,9 +259,14 @@ async def admit_generate(manager: TokenizerManager, body: GenerateRequest
                            "prompt several times", param="n")
         if rid is not None and len(prompts) > 1 and not isinstance(body.rid, list):
             rid = f"{rid}-{k}"
+        ids, image_parts = images[k]
         state = manager.reasoning_state(ids) if body.separate_reasoning else None
+        if image_parts and body.return_logprob and body.logprob_start_len >= 0:
+            raise ApiError(400, "prompt logprobs (logprob_start_len >= 0) are not available "
+                           "with image_data", param="logprob_start_len")
         inputs.append(GenerateInput(ids, params, body.return_logprob, body.logprob_start_len,
-                                    body.top_logprobs_num, rid, body.cache_salt, state))
+                                    body.top_logprobs_num, rid, body.cache_salt, state,
+                                    image_parts))
     for inp in inputs:
         manager.validate(inp)
     return inputs, single

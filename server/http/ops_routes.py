@@ -102,13 +102,17 @@ async def metrics(request: Request):
 @router.get("/model_info")
 @router.get("/get_model_info")
 async def model_info(request: Request):
-    info = manager_of(request).info
+    manager = manager_of(request)
+    info, vision = manager.info, manager.vision
     return {"model_path": request.app.state.model_path, "served_model_name":
             request.app.state.model_name, "context_len": info.context_len,
             "vocab_size": info.vocab_size, "dtype": info.dtype, "device": info.device,
             "attention_backend": info.attention_backend, "quantization": info.quantization,
             "torch_compile": info.compiled, "is_generation": True,
-            "chat_template": getattr(manager_of(request).tokenizer, "chat_template", None)}
+            "is_multimodal": vision is not None,
+            "image_token": vision.image_token if vision is not None else None,
+            "tokens_per_image": vision.tokens_per_image if vision is not None else None,
+            "chat_template": getattr(manager.tokenizer, "chat_template", None)}
 
 
 @router.get("/server_info")

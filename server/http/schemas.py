@@ -66,6 +66,7 @@ class CompletionRequest(_OpenAISampling):
 class ContentPart(_Body):
     type: str
     text: str | None = None
+    image_url: dict[str, Any] | str | None = None  # {"url": "data:image/png;base64,..."}
 
 
 class ChatMessage(_Body):

@@ -18,7 +18,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Sequence
 
 import msgspec
@@ -27,6 +27,13 @@ import zmq.asyncio
 
 from server import protocol as P
 from server.detokenizer import OutputText
+from server.multimodal import (
+    ImageError,
+    VisionSpec,
+    check_image,
+    expand_image_tokens,
+    image_bytes,
+)
 from server.reasoning import ReasoningParser
 from server.sampling_params import SamplingParams, SamplingParamsError
 from server.scheduler.validation import InvalidRequestError, validate_request
@@ -62,6 +69,8 @@ class GenerateInput:
     # where the output starts when the server splits reasoning (server.reasoning): "maybe",
     # "reasoning" or "off"; None = the text is not split
     reasoning_state: str | None = None
+    # (offset, radix key, encoded bytes) per image, ids already expanded (server.multimodal)
+    images: list[tuple[int, int, bytes]] = field(default_factory=list)
 
 
 class TokenizerManager:
@@ -71,13 +80,19 @@ class TokenizerManager:
         send, recv: zmq.asyncio PUSH (to the scheduler) and PULL (from it) sockets.
         max_queued_requests: requests in flight beyond which new ones get 503 + Retry-After.
         reasoning: the model's think markers (:mod:`server.reasoning`), or None.
+        vision: a multimodal model's image token and positions per image
+            (:mod:`server.multimodal`), or None for text-only models.
     """
 
     def __init__(self, tokenizer: Any, info: P.Ready, send: zmq.asyncio.Socket,
                  recv: zmq.asyncio.Socket, max_queued_requests: int = 1024,
-                 reasoning: ReasoningParser | None = None):
+                 reasoning: ReasoningParser | None = None, vision: VisionSpec | None = None):
         self.tokenizer = tokenizer
         self.reasoning = reasoning
+        if vision is not None:  # the token's text as this tokenizer spells it
+            text = tokenizer.convert_ids_to_tokens(vision.image_token_id)
+            vision = dataclasses.replace(vision, image_token=text or vision.image_token)
+        self.vision = vision
         self.info = info
         self.send_sock = send
         self.recv_sock = recv
@@ -146,6 +161,27 @@ class TokenizerManager:
         a 5 MB prompt was tokenized). Raises ApiError."""
         return await asyncio.get_running_loop().run_in_executor(
             self._tokenize_pool, self.encode, text, param)
+
+    async def expand_images(self, ids: list[int], images: Sequence[Any], param: str
+                            ) -> tuple[list[int], list[tuple[int, int, bytes]]]:
+        """Decode and check ``images`` (data: URLs or base64; on the tokenizer threads) and
+        expand the prompt's image tokens (:mod:`server.multimodal`). Returns the ids and
+        :attr:`GenerateInput.images`. Raises ApiError (400) naming ``param``."""
+        if self.vision is None:
+            raise ApiError(400, f"{param}: this model is text-only (it takes no images)",
+                           param=param)
+
+        def check() -> tuple[list[int], list[tuple[int, int, bytes]]]:
+            try:
+                data = [image_bytes(x) for x in images]
+                keys = [check_image(d) for d in data]
+                expanded, offsets = expand_image_tokens(ids, self.vision, len(data),
+                                                        self.tokenizer.bos_token_id)
+            except ImageError as exc:
+                raise ApiError(400, f"{param}: {exc}", param=param) from exc
+            return expanded, list(zip(offsets, keys, data))
+
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, check)
 
     async def apply_chat_template_async(self, messages: Sequence[dict],
                                         tools: list[dict] | None = None,
@@ -238,7 +274,8 @@ class TokenizerManager:
                 rid=rid, input_ids=inp.input_ids, sampling=_params_dict(inp.params),
                 return_logprob=inp.return_logprob, logprob_start_len=inp.logprob_start_len,
                 top_logprobs_num=inp.top_logprobs_num, namespace=inp.namespace,
-                reasoning=self._gate(inp))))
+                reasoning=self._gate(inp),
+                images=[P.ImagePart(o, k, d) for o, k, d in inp.images])))
             first = True
             pending: collections.deque = collections.deque()
             text = OutputText(self.tokenizer, inp.input_ids, inp.params.stop,

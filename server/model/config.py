@@ -123,6 +123,9 @@ class ArchConfig:
         model_type = cfg.get("model_type", "llama")
         if model_type == "gemma3" and "text_config" in cfg:  # the text model of Gemma 3 VLMs
             cfg = {**cfg["text_config"], "model_type": "gemma3"}
+        if model_type == "llava":  # the language model of a LLaVA checkpoint (server.model.vision)
+            cfg = {"model_type": "llama", **(cfg.get("text_config") or {})}
+            model_type = cfg["model_type"]
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(
                 f"model_type {model_type!r} is not supported (supported: {SUPPORTED_MODEL_TYPES})")

@@ -5,7 +5,7 @@ the other."""
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,6 +33,8 @@ class ForwardBatch:
             (usually the last token of each sequence that finishes its prompt; more for prompt
             logprobs; none for a middle prefill chunk).
         req_to_token: the request table tensor [max_requests, max_context] int64.
+        images: image positions of this pass (multimodal models): (first token row in the T
+            tokens, the :class:`ImageInput`, first and end image position covered), in order.
     """
 
     mode: ForwardMode
@@ -45,6 +47,7 @@ class ForwardBatch:
     extend_lens: list[int]
     logits_indices: torch.Tensor
     req_to_token: torch.Tensor
+    images: list[tuple[int, "ImageInput", int, int]] = field(default_factory=list)
 
     @property
     def batch_size(self) -> int:
@@ -53,6 +56,25 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.numel())
+
+
+@dataclass(eq=False)
+class ImageInput:
+    """One image of a request: prompt positions [offset, offset + length) hold its vectors.
+
+    Attributes:
+        offset, length: in tokens.
+        key: the radix-cache id of its positions (:func:`server.model.vision.image_key`).
+        pixel_values: [1, 3, H, W] float32 (the image processor's output).
+        embeds: [length, hidden], filled by the runner the first time a pass needs them (so an
+            image is encoded once per request, and never when its positions were cached).
+    """
+
+    offset: int
+    length: int
+    key: int
+    pixel_values: torch.Tensor
+    embeds: torch.Tensor | None = None
 
 
 @dataclass

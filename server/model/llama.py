@@ -150,13 +150,18 @@ class LlamaForCausalLM(nn.Module):
             self.register_buffer("sin_local", sin.to(device), persistent=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn: AttentionBackend, attn_id: int | None = None) -> torch.Tensor:
+                attn: AttentionBackend, attn_id: int | None = None,
+                embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """input_ids, positions: [T] int64. Returns final-normed hidden states [T, hidden].
-        ``attn_id``: the backend's id in :mod:`server.model.compiled` when compiled."""
+        ``attn_id``: the backend's id in :mod:`server.model.compiled` when compiled.
+        ``embeds``: (rows [M] int64, vectors [M, hidden]) that replace the token embeddings
+        of those rows (a multimodal model's image vectors)."""
         x = (self.embed_tokens(input_ids) if self.tp is None
              else self.tp.embed(self.embed_tokens, input_ids))
         if self.arch.embed_scale != 1.0:  # Gemma: the scale is rounded to x's dtype first
             x = x * torch.tensor(self.arch.embed_scale, dtype=x.dtype)
+        if embeds is not None:  # after the scale, as HF's multimodal models scatter them
+            x = x.index_copy(0, embeds[0], embeds[1].to(x.dtype))
         cos = self.cos_cache[positions].to(x.dtype)
         sin = self.sin_cache[positions].to(x.dtype)
         local = (self.cos_local[positions].to(x.dtype), self.sin_local[positions].to(x.dtype)) \

@@ -61,6 +61,9 @@ class LoadedModel:
             the RoPE inverse frequencies (llama3-style scaling as llama.cpp stores it).
         path: the resolved file or directory.
         name: a short model name for the APIs.
+        vision: the HF config dict of a LLaVA checkpoint (its vision tower and projector are
+            read by :mod:`server.model.vision` from the same ``weights()``); None for text
+            models.
     """
 
     arch: ArchConfig
@@ -69,6 +72,7 @@ class LoadedModel:
     rope_freq_factors: torch.Tensor | None
     path: str
     name: str
+    vision: dict | None = None
 
 
 def load_model(path: str | None) -> LoadedModel:
@@ -90,7 +94,17 @@ def _load_hf_dir(path: str) -> LoadedModel:
     from transformers import AutoTokenizer
 
     with open(os.path.join(path, "config.json")) as f:
-        arch = ArchConfig.from_hf(json.load(f))
+        cfg = json.load(f)
+    arch = ArchConfig.from_hf(cfg)
+    vision = None
+    if cfg.get("model_type") == "llava":
+        from server.multimodal import ImageError, vision_spec
+
+        try:
+            vision_spec(cfg)
+        except ImageError as exc:
+            raise UnsupportedModelError(str(exc)) from exc
+        vision = cfg
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ModelLoadError(f"{path}: config.json found but no *.safetensors weight files")
@@ -104,7 +118,8 @@ def _load_hf_dir(path: str) -> LoadedModel:
                     yield name, st.get_tensor(name).float()
 
     tokenizer = AutoTokenizer.from_pretrained(path)
-    return LoadedModel(arch, weights, tokenizer, None, path, os.path.basename(path.rstrip("/")))
+    return LoadedModel(arch, weights, tokenizer, None, path, os.path.basename(path.rstrip("/")),
+                       vision)
 
 
 # GGUF tensor name (after "blk.N.") -> HF parameter name (after "model.layers.N.").

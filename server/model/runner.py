@@ -70,6 +70,14 @@ class ModelRunner:
                                                    quantization=quantization,
                                                    dense_min_rows=dense_prefill_rows)
         self.model = model.eval()
+        self.vision = None
+        if loaded.vision is not None:  # a LLaVA checkpoint: its vision tower and projector
+            if tp is not None:
+                raise ValueError("multimodal models are not supported with tensor parallelism")
+            from server.model.vision import VisionEncoder
+
+            self.vision = VisionEncoder(loaded.vision, dtype, self.device)
+            self.vision.load_weights(loaded.weights())
         self.kv_pool = kv_pool
         self.attention = create_attention_backend(attention_backend, kv_pool.k_buffers,
                                                   kv_pool.v_buffers, windowed=arch.windowed)
@@ -100,6 +108,19 @@ class ModelRunner:
 
     def _compiled_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions, self.attention, self._attn_id)
+
+    def _image_embeds(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows [M], vectors [M, hidden]) of the batch's image positions; each image is
+        encoded the first time a pass needs it (kept on its ImageInput for later chunks)."""
+        if self.vision is None:
+            raise ValueError("this model takes no images")
+        rows, vecs = [], []
+        for row, image, lo, hi in batch.images:
+            if image.embeds is None:
+                image.embeds = self.vision.encode(image.pixel_values)[0]
+            rows.append(torch.arange(row, row + hi - lo))
+            vecs.append(image.embeds[lo:hi])
+        return torch.cat(rows).to(self.device), torch.cat(vecs)
 
     def close(self) -> None:
         """Release the compiled graph's reference to the attention backend."""
@@ -137,7 +158,11 @@ class ModelRunner:
             extend_lens=batch.extend_lens,
             out_cache_loc=batch.out_cache_loc.to(dev),
         ))
-        hidden = self._hidden(batch.input_ids.to(dev), batch.positions.to(dev))
+        if batch.images:  # image vectors replace the image tokens' embeddings (eager path)
+            hidden = self.model(batch.input_ids.to(dev), batch.positions.to(dev),
+                                self.attention, embeds=self._image_embeds(batch))
+        else:
+            hidden = self._hidden(batch.input_ids.to(dev), batch.positions.to(dev))
         if batch.logits_indices.numel() == 0:
             return RunnerOutput(torch.empty((0, self.arch.vocab_size), dtype=torch.float32))
         return RunnerOutput(self.model.compute_logits(hidden[batch.logits_indices.to(dev)]))

@@ -112,7 +112,8 @@ class SchedulerLoop:
             req = self.engine.make_request(
                 msg.input_ids, params, LogprobOptions(msg.return_logprob, msg.logprob_start_len,
                                                       msg.top_logprobs_num),
-                rid=msg.rid, cache_salt=msg.namespace, reasoning=msg.reasoning)
+                rid=msg.rid, cache_salt=msg.namespace, reasoning=msg.reasoning,
+                images=[(im.offset, im.key, im.data) for im in msg.images])
             self.engine.scheduler.add_request(req)
         except _REFUSED as exc:
             return self._refuse(msg.rid, exc)

@@ -1,13 +1,15 @@
 """Scheduler counters and the monitoring snapshot the server exports (/server_info, /metrics).
+
+The snapshot is built from plain values (the counters, the cache's
+:class:`server.cache.manager.CacheUsage`, queue sizes): nothing here reads the scheduler or the
+cache's internals.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from server.scheduler.scheduler import Scheduler
+from server.cache.manager import CacheUsage
 
 
 @dataclass
@@ -31,20 +33,18 @@ class SchedulerStats:
         return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
-def snapshot(sched: "Scheduler") -> dict[str, float]:
+def snapshot(st: SchedulerStats, usage: CacheUsage, *, running: int,
+             waiting: int) -> dict[str, float]:
     """Queue sizes (requests), KV memory (tokens, and ``kv_usage`` = share of the pool held by
     requests or locked cache entries), cache counters and the hit rate (cached / prompt
     tokens)."""
-    cache, st = sched.cache, sched.stats
-    pool, tree = cache.pool, cache.tree
-    held = pool.capacity - pool.num_free - tree.evictable_size
     return {
-        "running_requests": len(sched.running) + len(sched.prefilling),
-        "waiting_requests": len(sched.waiting),
-        "kv_capacity_tokens": pool.capacity,
-        "kv_free_tokens": pool.num_free,
-        "kv_cached_tokens": tree.evictable_size + tree.protected_size,
-        "kv_usage": held / pool.capacity,
+        "running_requests": running,
+        "waiting_requests": waiting,
+        "kv_capacity_tokens": usage.capacity,
+        "kv_free_tokens": usage.free,
+        "kv_cached_tokens": usage.evictable + usage.protected,
+        "kv_usage": usage.held / usage.capacity,
         "prompt_tokens": st.prompt_tokens,
         "cached_prompt_tokens": st.cached_prompt_tokens,
         "cache_hit_rate": st.cache_hit_rate,
@@ -52,7 +52,7 @@ def snapshot(sched: "Scheduler") -> dict[str, float]:
         "jump_forward_tokens": st.jump_forward_tokens,
         "draft_tokens": st.draft_tokens,
         "accepted_draft_tokens": st.accepted_draft_tokens,
-        "evicted_tokens": cache.stats.evicted_tokens,
+        "evicted_tokens": usage.evicted,
         "retractions": st.retractions,
         "aborts": st.aborts,
         "finished_requests": st.finished_requests,

@@ -1,12 +1,11 @@
 """Req: one sequence's state inside the scheduler.
 
-Lengths (tokens), always ``0 <= prefix_len <= computed_len <= alloc_len <= len(fill_ids)``:
+Lengths (tokens):
   * ``fill_ids = input_ids + output_ids``; the last output token's KV is computed by the next
     decode step, so while decoding ``computed_len == len(fill_ids) - 1``.
-  * ``prefix_len``: leading positions whose KV slots belong to the radix tree (locked through
-    ``cache_node``); ``computed_len``: positions whose KV is valid; ``alloc_len``: positions with
-    a slot in the request's table row (more than computed while a batch is in flight).
-See :mod:`server.cache.manager` for who owns which range.
+  * ``computed_len``: leading positions whose KV is valid in the pool (0 while the request holds
+    no memory). The memory itself (table row, locked cached prefix, allocated slots) is held
+    for the request by :class:`server.cache.manager.CacheManager`, keyed by ``rid``.
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from server.model.forward_batch import ImageInput
 from server.model.sampling import SamplingParams, SamplingState, make_generator
 
 
@@ -63,11 +63,8 @@ class Req:
     output_ids: list[int] = field(default_factory=list)
     status: ReqStatus = ReqStatus.WAITING
     namespace: Any = None  # radix-cache namespace (e.g. a cache salt)
-    row: int | None = None
-    prefix_len: int = 0
     computed_len: int = 0
-    alloc_len: int = 0
-    cache_node: Any = None  # radix-tree handle locked while the request holds a row
+    images: tuple[ImageInput, ...] = ()  # multimodal: where each image's vectors go
     cached_tokens: int = 0  # prompt tokens reused from the cache at first admission
     num_admissions: int = 0
     grammar: Any = None  # server.constrained.grammar.Matcher for constrained requests
@@ -89,6 +86,17 @@ class Req:
     @property
     def fill_ids(self) -> list[int]:
         return self.input_ids + self.output_ids
+
+    @property
+    def key_ids(self) -> list[int]:
+        """The radix-cache key of ``fill_ids``: each image's positions carry its content-hash
+        id instead of the image token, so only identical images share KV."""
+        if not self.images:
+            return self.input_ids + self.output_ids
+        key = list(self.input_ids)
+        for im in self.images:
+            key[im.offset:im.offset + im.length] = [im.key] * im.length
+        return key + self.output_ids
 
     @property
     def fill_len(self) -> int:

@@ -6,8 +6,8 @@ prefilled (prefill first, as in SGLang), otherwise a *decode* batch of every run
 and releases finished requests (their computed KV goes into the radix cache). New requests join
 between steps; finished ones leave.
 
-Admission: the waiting queue is ordered by the policy (``server.scheduler.policy``; requests
-passed over for ``starvation_limit_steps`` steps go first), and each request in turn gets its
+Admission: the waiting queue is ordered by the policy behind the starvation bound
+(:mod:`server.scheduler.admission`), and each request in turn gets its
 cached prefix locked (capped at len-1 so at least one token is computed) and a chunk of its
 uncached tokens, while the token budget (``chunked_prefill_size`` new tokens per extend batch)
 and memory last. Memory for admission counts free plus evictable slots, minus a reservation for
@@ -19,10 +19,11 @@ schedules the same way): every extend batch also carries one decode token of eac
 request, so decoding advances in every pass. Prefill-first alone lets a steady stream of arriving
 prompts (the calls of other programs) hold running requests back for as long as it lasts.
 
-In-batch prefix sharing (cache-aware policies): a request whose *uncached* part shares at least
-``IN_BATCH_SHARE_THRESHOLD`` tokens with a request being prefilled in the same step is deferred
-one step, so it reuses that KV from the cache instead of computing it a second time (SGLang's
-in-batch prefix caching check).
+In-batch prefix sharing (cache-aware policies): a request whose uncached part this step already
+prefills waits one step to reuse that KV (:class:`server.scheduler.admission.StepSharing`).
+
+Memory is the cache manager's (:mod:`server.cache.manager`): the scheduler asks it to admit,
+allocate, cache and release by request, and never touches rows, nodes or the tree.
 
 Memory pressure: allocation evicts LRU cache leaves first; when that is not enough, the newest
 admitted requests are *retracted*: their computed KV goes into the cache and they return to the
@@ -37,32 +38,20 @@ from __future__ import annotations
 import random
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from server.cache.manager import CacheManager
-from server.cache.radix_tree import RadixCache
 from server.config import SchedulerConfig
-from server.model.forward_batch import ForwardBatch, ForwardMode, RunnerOutput
+from server.model.forward_batch import ForwardBatch, RunnerOutput
 from server.model.sampling import Sampler
-from server.scheduler import policy
+from server.scheduler.admission import StepSharing, WaitingOrder
+from server.scheduler.batches import Plan, build_decode, build_extend
 from server.scheduler.metrics import SchedulerStats, snapshot
 from server.scheduler.outputs import TokenDelta, record_input_logprobs, sample_and_append
 from server.scheduler.request import FinishReason, Req, ReqStatus
 from server.scheduler.validation import InvalidRequestError, validate_request
-
-IN_BATCH_SHARE_THRESHOLD = 32  # tokens
-_NO_SLOTS = torch.empty(0, dtype=torch.int64)
-
-
-@dataclass
-class _Plan:
-    """Per sequence of the in-flight batch: positions whose logits were requested."""
-
-    reqs: list[Req]
-    logit_positions: list[list[int]] = field(default_factory=list)
 
 
 class Scheduler:
@@ -85,13 +74,13 @@ class Scheduler:
         self.sampler = sampler or Sampler(seed)
         self.jump_forward_tokenizer = None if config.disable_jump_forward else tokenizer
         self.ngram_tokens = config.speculative_ngram
-        self.rng = random.Random(seed)
+        self.order = WaitingOrder(config, cache, random.Random(seed))
         self.waiting: deque[Req] = deque()
         self.prefilling: list[Req] = []  # admitted, prompt not fully computed
         self.running: list[Req] = []     # decoding
         self.reqs: dict[str, Req] = {}
         self.stats = SchedulerStats()
-        self._plan: _Plan | None = None
+        self._plan: Plan | None = None
 
     # ---------------------------------------------------------------- requests in and out
     def validate(self, req: Req) -> None:
@@ -99,7 +88,7 @@ class Scheduler:
         if req.rid in self.reqs:
             raise InvalidRequestError("rid", f"duplicate request id {req.rid!r}")
         validate_request(req.input_ids, req.params, vocab_size=self.vocab_size,
-                         context_len=self.context_len, kv_capacity=self.cache.pool.capacity)
+                         context_len=self.context_len, kv_capacity=self.cache.capacity)
 
     def add_request(self, req: Req) -> None:
         """Validate and queue ``req``; raises (and queues nothing) if it can never run."""
@@ -143,11 +132,11 @@ class Scheduler:
     def reset_stats(self) -> None:
         """Zero the counters (e.g. after a warm-up)."""
         self.stats = SchedulerStats()
-        self.cache.stats.evicted_tokens = 0
+        self.cache.stats.evicted_tokens = 0  # the cache's own counter, reported with ours
 
     def flush_cache(self) -> bool:
         """Empty the radix cache; refused (False) while any request holds KV memory."""
-        return self.cache.flush((*self.prefilling, *self.running))
+        return self.cache.flush()
 
     @property
     def has_work(self) -> bool:
@@ -163,52 +152,68 @@ class Scheduler:
 
     def _reserved(self) -> int:
         clip = self.config.max_new_tokens_reserve
-        return sum(r.fill_len - r.alloc_len + min(r.remaining_new_tokens, clip)
+        alloc = self.cache.alloc_len
+        return sum(r.fill_len - alloc(r.rid) + min(r.remaining_new_tokens, clip)
                    for r in (*self.prefilling, *self.running))
 
-    def _ordered_waiting(self) -> list[Req]:
-        limit = self.config.starvation_limit_steps
-        starving = sorted((r for r in self.waiting if r.passed_steps >= limit),
-                          key=lambda r: r.arrival_time)
-        rest = [r for r in self.waiting if r.passed_steps < limit]
-        tree = self.cache.tree
-        ordered = policy.order(
-            self.config.schedule_policy, rest, rng=self.rng,
-            max_cache_aware_queue=self.config.max_cache_aware_queue,
-            prefix_info=lambda r: tree.prefix_len(r.fill_ids[:CacheManager.max_prefix(r)],
-                                                  r.namespace))
-        return starving + ordered
-
     def _schedule_extend(self) -> ForwardBatch | None:
+        """Chunks of admitted prompts, then newly admitted ones, then (mixed) the decodes."""
         budget = self.config.chunked_prefill_size
         chunks: list[tuple[Req, int, torch.Tensor]] = []
+        budget = self._continue_prefills(chunks, budget)
+        admitted = self._admit_waiting(chunks, budget)
+        self.order.passed_over(self.waiting, admitted)
+        if chunks and (self.config.mixed_chunk or (all(r.draft for r, _, _ in chunks)
+                                                   and not admitted)):
+            # Mixed batch: the running requests decode in the same pass (as 1-token extends),
+            # so a stream of arriving prompts never stalls decoding. Without mixing, this is
+            # done only for a pass of jump-forward verifications.
+            for req in list(self.running):
+                slots = self._alloc(1, keep={id(r) for r, _, _ in chunks} | {id(req)})
+                if slots is None or req.status is not ReqStatus.RUNNING:
+                    break
+                chunks.append((req, 1, slots))
+        if not chunks:
+            return None
+        batch, self._plan = build_extend(chunks, self.cache)
+        return batch
+
+    def _continue_prefills(self, chunks: list, budget: int) -> int:
+        """Next chunks of admitted prompts and jump-forward verifications (appended to
+        ``chunks``); returns the budget left."""
         for req in list(self.prefilling):
             if budget <= 0:
                 break
             if req.status is not ReqStatus.PREFILLING:
                 continue  # retracted to make room for an earlier chunk of this step
             if req.draft:  # a jump-forward verification: the last token plus its drafts, whole
-                n = req.fill_len - req.alloc_len + len(req.draft)
+                n = req.fill_len - self.cache.alloc_len(req.rid) + len(req.draft)
                 if n > budget and chunks:
                     continue
             else:
-                n = min(req.fill_len - req.alloc_len, budget)
+                n = min(req.fill_len - self.cache.alloc_len(req.rid), budget)
             slots = self._alloc(n, keep={id(r) for r, _, _ in chunks} | {id(req)})
             if slots is None:
                 break
             chunks.append((req, n, slots))
             budget -= n
+        return budget
+
+    def _admit_waiting(self, chunks: list, budget: int) -> list[Req]:
+        """Admit waiting requests in order while rows, budget and memory last (first chunks
+        appended to ``chunks``); returns the admitted requests."""
         admitted: list[Req] = []
-        in_step = self._in_step_tree(chunks)
-        for req in self._ordered_waiting():
-            if budget <= 0 or self.cache.req_table.num_free_rows == 0:
+        in_step = StepSharing(self.config, self.cache, (r for r, _, _ in chunks))
+        for req in self.order.order(self.waiting):
+            if budget <= 0 or self.cache.free_rows == 0:
                 break
             if len(self.prefilling) + len(self.running) >= self.config.max_running_requests:
                 break
-            if in_step is not None and self._shares_with_step(req, in_step):
+            if in_step.defer(req):
                 continue  # computed by another request this step: it will be a cache hit next
             busy = bool(self.prefilling or self.running)
             hit = self.cache.admit(req)
+            req.computed_len = hit.cached_len
             need = req.fill_len - req.computed_len + min(req.remaining_new_tokens,
                                                          self.config.max_new_tokens_reserve)
             n = min(req.fill_len - req.computed_len, budget)
@@ -216,6 +221,7 @@ class Scheduler:
             slots = self.cache.alloc(n) if fits else None
             if slots is None:
                 self.cache.release(req, cache=False)  # only the prefix lock is undone
+                req.computed_len = 0
                 break  # no skipping ahead: the policy's order is respected
             self.waiting.remove(req)
             req.status = ReqStatus.PREFILLING
@@ -227,79 +233,8 @@ class Scheduler:
             chunks.append((req, n, slots))
             admitted.append(req)
             budget -= n
-            if in_step is not None:
-                in_step.insert(req.fill_ids, _NO_SLOTS.new_zeros(req.fill_len), req.namespace)
-        if chunks and (self.config.mixed_chunk or (all(r.draft for r, _, _ in chunks)
-                                                   and not admitted)):
-            # Mixed batch: the running requests decode in the same pass (as 1-token extends),
-            # so a stream of arriving prompts never stalls decoding. Without mixing, this is
-            # done only for a pass of jump-forward verifications.
-            for req in list(self.running):
-                slots = self._alloc(1, keep={id(r) for r, _, _ in chunks} | {id(req)})
-                if slots is None or req.status is not ReqStatus.RUNNING:
-                    break
-                chunks.append((req, 1, slots))
-        if admitted:
-            last = max(r.arrival_time for r in admitted)
-            for r in self.waiting:
-                if r.arrival_time < last:
-                    r.passed_steps += 1
-        return self._build_extend(chunks) if chunks else None
-
-    def _in_step_tree(self, chunks) -> RadixCache | None:
-        """A scratch tree of what this step prefills (cache-aware policies only)."""
-        if self.cache.tree.disabled or self.config.schedule_policy not in ("lpm", "dfs_weight"):
-            return None
-        tree = RadixCache()
-        for req, _, _ in chunks:
-            tree.insert(req.fill_ids, _NO_SLOTS.new_zeros(req.fill_len), req.namespace)
-        return tree
-
-    def _shares_with_step(self, req: Req, in_step: RadixCache) -> bool:
-        key = req.fill_ids[:CacheManager.max_prefix(req)]
-        cached = self.cache.tree.prefix_len(key, req.namespace)[0]
-        shared = in_step.prefix_len(key, req.namespace)[0]
-        return shared - cached >= IN_BATCH_SHARE_THRESHOLD
-
-    def _build_extend(self, chunks: list[tuple[Req, int, torch.Tensor]]) -> ForwardBatch:
-        ids, pos, plan = [], [], _Plan([])
-        logits_indices: list[int] = []
-        prefix_lens = []
-        offset = 0
-        for req, n, slots in chunks:
-            start, end = req.computed_len, req.computed_len + n
-            prefix_lens.append(start)
-            self.cache.extend_row(req, slots)
-            ids.extend((req.fill_ids + req.draft)[start:end])
-            pos.extend(range(start, end))
-            wanted = (list(range(start, end)) if req.draft
-                      else self._logit_positions(req, start, end))
-            logits_indices.extend(offset + p - start for p in wanted)
-            plan.reqs.append(req)
-            plan.logit_positions.append(wanted)
-            offset += n
-        self._plan = plan
-        return ForwardBatch(
-            mode=ForwardMode.EXTEND, req_ids=[r.rid for r, _, _ in chunks],
-            input_ids=torch.tensor(ids, dtype=torch.int64),
-            positions=torch.tensor(pos, dtype=torch.int64),
-            out_cache_loc=torch.cat([s for _, _, s in chunks]),
-            req_rows=[r.row for r, _, _ in chunks], prefix_lens=prefix_lens,
-            extend_lens=[n for _, n, _ in chunks],
-            logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
-            req_to_token=self.cache.req_table.table)
-
-    @staticmethod
-    def _logit_positions(req: Req, start: int, end: int) -> list[int]:
-        """Positions in [start, end) whose next-token logits are needed: prompt logprobs not yet
-        collected, and the last position when it completes the sequence (to sample)."""
-        wanted = []
-        if req.wants_input_logprobs:
-            first = req.logprobs.logprob_start_len + len(req.input_token_logprobs) - 1
-            wanted.extend(range(max(start, first), min(end, len(req.input_ids) - 1)))
-        if end == req.fill_len and req.params.max_new_tokens > 0 and end - 1 not in wanted:
-            wanted.append(end - 1)
-        return wanted
+            in_step.add(req)
+        return admitted
 
     def _schedule_decode(self) -> ForwardBatch | None:
         # Each running request needs one slot; retracting one also lowers the need by one.
@@ -308,17 +243,8 @@ class Scheduler:
         if not self.running:
             return None
         reqs = list(self.running)
-        slots = self.cache.alloc(len(reqs))
-        self.cache.extend_rows_by_one(reqs, slots)
-        self._plan = _Plan(reqs, [[r.computed_len] for r in reqs])
-        return ForwardBatch(
-            mode=ForwardMode.DECODE, req_ids=[r.rid for r in reqs],
-            input_ids=torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64),
-            positions=torch.tensor([r.computed_len for r in reqs], dtype=torch.int64),
-            out_cache_loc=slots, req_rows=[r.row for r in reqs],
-            prefix_lens=[r.computed_len for r in reqs], extend_lens=[1] * len(reqs),
-            logits_indices=torch.arange(len(reqs), dtype=torch.int64),
-            req_to_token=self.cache.req_table.table)
+        batch, self._plan = build_decode(reqs, self.cache.alloc(len(reqs)), self.cache)
+        return batch
 
     def _alloc(self, n: int, keep: set[int]) -> torch.Tensor | None:
         """Allocate ``n`` slots, retracting the newest admitted requests (never those whose id()
@@ -348,7 +274,7 @@ class Scheduler:
         for req, positions, n in zip(plan.reqs, plan.logit_positions, batch.extend_lens):
             rows = list(range(row, row + len(positions)))
             row += len(positions)
-            if req.finished or req.row is None:
+            if req.finished or not self.cache.holds(req.rid):
                 continue  # aborted or retracted while in flight
             if req.draft and req.status is ReqStatus.PREFILLING:
                 deltas.append(self._verify_draft(req, rows, out.logits))
@@ -431,14 +357,16 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
         self.cache.release(req, cache=True)
+        req.computed_len = 0
 
     def metrics(self) -> dict[str, float]:
         """A monitoring snapshot (see :func:`server.scheduler.metrics.snapshot`)."""
-        return snapshot(self)
+        return snapshot(self.stats, self.cache.usage(),
+                        running=len(self.running) + len(self.prefilling), waiting=len(self.waiting))
 
     # ---------------------------------------------------------------- checks
     def check_invariants(self) -> None:
         """AssertionError unless the cache manager's memory invariant holds and no waiting
         request holds memory."""
         self.cache.check_invariants((*self.prefilling, *self.running))
-        assert all(r.row is None for r in self.waiting), "a waiting request holds a row"
+        assert not any(self.cache.holds(r.rid) for r in self.waiting), "a waiting request holds memory"

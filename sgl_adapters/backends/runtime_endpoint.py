@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 from typing import Any, Iterator
 
 import httpx
@@ -67,6 +68,12 @@ class RuntimeEndpoint:
                 raise BackendError(_error_message(r), r.status_code)
             self._model_info = r.json()
         return self._model_info
+
+    @property
+    def image_token(self) -> str | None:
+        """The text that marks an image's place in a prompt on a multimodal server (e.g.
+        "<image>"), None on a text-only one."""
+        return self.get_model_info().get("image_token")
 
     @property
     def chat_template(self) -> ChatTemplate:
@@ -154,7 +161,13 @@ class RuntimeEndpoint:
 
 
 def _image_data(image: str | bytes) -> str:
-    """``image_data`` as SGLang sends it: a path/URL/data-URL string, or base64 of raw bytes."""
+    """``image_data`` for the server: a data: URL of the bytes (a local file is read here:
+    the server takes images inline only); data: URLs and http(s) URLs pass as they are (the
+    server refuses the latter, having no network)."""
+    if isinstance(image, str) and not image.startswith(("data:", "http://", "https://")) \
+            and os.path.isfile(image):
+        with open(image, "rb") as f:
+            image = f.read()
     if isinstance(image, bytes):
         return "data:application/octet-stream;base64," + base64.b64encode(image).decode()
     return image

@@ -160,6 +160,11 @@ class StreamExecutor:
             self._role_end(expr.role)
         elif isinstance(expr, ir.Image):
             self.images.append(expr.data)
+            # where the image goes in a text prompt: the server's image token (multimodal
+            # servers report it; elsewhere the image travels without a marker)
+            token = getattr(self.backend, "image_token", None)
+            if token:
+                self._append(token)
         else:
             raise TypeError(f"unknown expression {expr!r}")
 
