@@ -71,6 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
     a("--schedule-policy", choices=SCHEDULE_POLICIES, default="lpm", help="waiting-queue order: "
       "lpm = longest cached prefix first (default), dfs_weight, fcfs, random")
     a("--disable-radix-cache", action="store_true", help="turn prefix reuse off")
+    a("--hicache-size", type=float, default=None, help="GB of host memory for KV evicted from "
+      "the pool, loaded back on a later match (default: 0 on CPU, 4 on CUDA)")
+    a("--cache-dir", default=None, help="persist cached prefixes (KV pages) in this directory, "
+      "on eviction and at shutdown; a later server on the same model finds them")
+    a("--cache-dir-size", type=float, default=10.0, help="GB the --cache-dir may hold per model")
     a("--disable-mixed-chunk", action="store_true", help="prefill-first batches: running "
       "requests decode only when no prompt is waiting (default: every extend batch also "
       "decodes them)")
@@ -114,7 +119,9 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, HTTPConfi
                           disable_cuda_graph=args.disable_cuda_graph,
                           cuda_graph_max_bs=args.cuda_graph_max_bs),
         cache=CacheConfig(max_total_tokens=args.max_total_tokens, mem_fraction=args.mem_fraction,
-                          disable_radix_cache=args.disable_radix_cache),
+                          disable_radix_cache=args.disable_radix_cache,
+                          hicache_size=args.hicache_size, cache_dir=args.cache_dir,
+                          cache_dir_size=args.cache_dir_size),
         scheduler=SchedulerConfig(max_running_requests=args.max_running_requests,
                                   chunked_prefill_size=args.chunked_prefill_size,
                                   schedule_policy=args.schedule_policy,

@@ -104,13 +104,31 @@ class CacheConfig:
             weights load) memory for the pool; None = 0.05 on CPU (~1.1 GiB on a 24 GiB machine: the
             peak RSS budget of 2.5 GB), 0.6 on CUDA.
         disable_radix_cache: no prefix reuse (the same code path with a tree that never stores).
+        hicache_size: GB of host memory for KV pages evicted from the pool
+            (:mod:`server.cache.tiers`); None = 0 on CPU (the pool is host memory already), 4
+            on CUDA.
+        cache_dir: a directory where cached prefixes persist (on eviction and at shutdown)
+            and are found again by a later server on the same model; None = off.
+        cache_dir_size: GB the directory may hold for one model.
     """
 
     max_total_tokens: int | None = None
     mem_fraction: float | None = None
     disable_radix_cache: bool = False
+    hicache_size: float | None = None
+    cache_dir: str | None = None
+    cache_dir_size: float = 10.0
+
+    def host_tier_bytes(self, cuda: bool) -> int:
+        """Bytes of the host tier (0 = off)."""
+        size = self.hicache_size if self.hicache_size is not None else (4.0 if cuda else 0.0)
+        return int(size * 2 ** 30)
 
     def __post_init__(self) -> None:
+        if self.hicache_size is not None and self.hicache_size < 0:
+            raise ConfigError(f"hicache_size must be >= 0 GB, got {self.hicache_size}")
+        if self.cache_dir_size <= 0:
+            raise ConfigError(f"cache_dir_size must be > 0 GB, got {self.cache_dir_size}")
         if self.max_total_tokens is not None and self.max_total_tokens < 16:
             raise ConfigError(f"max_total_tokens must be >= 16, got {self.max_total_tokens}")
         if self.mem_fraction is not None and not 0.0 < self.mem_fraction < 1.0:

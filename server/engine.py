@@ -15,6 +15,7 @@ Outputs follow the native ``/generate`` response: ``{"text", "output_ids", "meta
 from __future__ import annotations
 
 import dataclasses
+import time
 import uuid
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -25,6 +26,7 @@ from server.cache.kv_pool import TokenKVPool
 from server.cache.manager import CacheManager
 from server.cache.radix_tree import RadixCache
 from server.cache.req_table import ReqToTokenTable
+from server.cache.tiers import PAGE_TOKENS, DiskTier, HostTier, KVTiers, kv_fingerprint
 from server.config import ConfigError, EngineConfig, resolve
 from server.constrained.grammar import GrammarCompiler
 from server.constrained.reasoning import ReasoningGatedMatcher
@@ -109,7 +111,8 @@ class Engine:
                                                          sc.max_running_requests)),
                                   req_to_token=self.req_table.table, tp=self.tp)
         self.cache = CacheManager(self.kv_pool, self.req_table,
-                                  RadixCache(disabled=cc.disable_radix_cache))
+                                  RadixCache(disabled=cc.disable_radix_cache),
+                                  self._tiers(loaded, cc, mc))
         self.scheduler = Scheduler(sc, self.cache, vocab_size=loaded.arch.vocab_size,
                                    context_len=self.context_len, sampler=Sampler(self.config.seed),
                                    seed=self.config.seed, tokenizer=loaded.tokenizer)
@@ -120,6 +123,20 @@ class Engine:
         self._model_path = loaded.path
         if self.runner.compiled:
             self._warm_up()
+
+    def _tiers(self, loaded, cc, mc) -> KVTiers | None:
+        """The host and disk tiers the cache config asks for (:mod:`server.cache.tiers`)."""
+        host_bytes = cc.host_tier_bytes(mc.device.startswith("cuda"))
+        if cc.disable_radix_cache or (host_bytes == 0 and cc.cache_dir is None):
+            return None
+        pool = self.kv_pool
+        shape = (len(pool.k_buffers), 2, PAGE_TOKENS, *pool.k_buffers[0].shape[1:])
+        disk = None
+        if cc.cache_dir is not None:
+            disk = DiskTier(cc.cache_dir, kv_fingerprint(loaded, mc, shape),
+                            int(cc.cache_dir_size * 2 ** 30), shape, pool.k_buffers[0].dtype)
+        # with only a disk tier, a small host tier stages the pages read ahead from disk
+        return KVTiers(HostTier(host_bytes or 256 << 20), disk)
 
     def _start_tensor_parallel(self, arch) -> tuple[TPGroup | None, list]:
         """With ``parallel.tp_size`` > 1: spawn this node's other ranks, join the group as rank
@@ -331,6 +348,9 @@ class Engine:
         while self.scheduler.has_work:
             batch = self.scheduler.step()
             if batch is None:
+                if self.scheduler.reading_ahead:  # cached pages are coming from disk
+                    time.sleep(0.001)
+                    continue
                 raise RuntimeError("scheduler has queued work but cannot schedule it")
             yield self.scheduler.update(batch, self.runner.forward(batch))
 

@@ -124,8 +124,8 @@ async def serve(engine_config: EngineConfig, http: HTTPConfig) -> int:
         exit_code = 1
     finally:
         if proc.is_alive():
-            proc.terminate()
-            proc.join(10)
+            proc.terminate()  # SIGTERM: the scheduler persists a --cache-dir, then exits
+            proc.join(60 if engine_config.cache.cache_dir else 10)
             if proc.is_alive():
                 proc.kill()
                 proc.join()

@@ -24,6 +24,12 @@ and the row returned. Without caching, every private slot is freed.
 An unfinished request (chunked prefill) is cached the same way but keeps its row: its row is
 rewritten with the tree's slots and its lock moves to the new, deeper node.
 
+Tiers (optional, :mod:`server.cache.tiers`): a leaf the tree evicts has its full pages copied
+into the host tier (and from there to disk); admission loads the pages that continue a request's
+cached prefix back into the pool and inserts them, so they count as cached tokens. A disk page
+is read ahead on a reader thread when the request arrives (:meth:`prefetch`); until then the
+request waits in the queue (:meth:`ready`), never the scheduler step.
+
 What the rest of the server reads: :meth:`usage` (a :class:`CacheUsage` snapshot, for metrics),
 :meth:`match` (cached prefix length and an opaque node handle, for the ordering policies) and
 :meth:`scratch_tree` (an empty tree of the same kind, for in-step sharing checks).
@@ -37,8 +43,9 @@ from typing import TYPE_CHECKING, Any, Iterable
 import torch
 
 from server.cache.kv_pool import TokenKVPool
-from server.cache.radix_tree import RadixCache
+from server.cache.radix_tree import MatchResult, RadixCache, TreeNode
 from server.cache.req_table import ReqToTokenTable
+from server.cache.tiers import PAGE_TOKENS, KVTiers, page_hashes
 
 if TYPE_CHECKING:
     from server.scheduler.request import Req
@@ -54,6 +61,7 @@ class PrefixHit:
 @dataclass
 class CacheStats:
     evicted_tokens: int = 0
+    loaded_tokens: int = 0  # copied back into the pool from a tier
 
 
 @dataclass
@@ -78,6 +86,9 @@ class CacheUsage:
     evictable: int
     protected: int
     evicted: int
+    loaded: int = 0  # tokens loaded back from the host or disk tier
+    host_pages: int = 0
+    disk_pages: int = 0
 
     @property
     def held(self) -> int:
@@ -86,14 +97,21 @@ class CacheUsage:
 
 
 class CacheManager:
-    """Args: pool, req_table, tree (a disabled RadixCache for ``--disable-radix-cache``)."""
+    """Args: pool, req_table, tree (a disabled RadixCache for ``--disable-radix-cache``),
+    tiers: host/disk tiers under the tree, or None."""
 
-    def __init__(self, pool: TokenKVPool, req_table: ReqToTokenTable, tree: RadixCache):
+    def __init__(self, pool: TokenKVPool, req_table: ReqToTokenTable, tree: RadixCache,
+                 tiers: KVTiers | None = None):
         self.pool = pool
         self.req_table = req_table
         self.tree = tree
         self.stats = CacheStats()
         self._held: dict[str, ReqMemory] = {}
+        self.tiers = tiers if tiers is not None and not tree.disabled and pool.k_buffers \
+            else None
+        self._prefetching: dict[str, Any] = {}  # rid -> future of a disk read-ahead
+        if self.tiers is not None:
+            tree.on_evict = self._spill
 
     # ------------------------------------------------------------------ what the scheduler reads
     @property
@@ -120,9 +138,13 @@ class CacheManager:
         return self.tree.disabled
 
     def usage(self) -> CacheUsage:
-        tree = self.tree
+        tree, tiers = self.tree, self.tiers
         return CacheUsage(self.pool.capacity, self.pool.num_free, tree.evictable_size,
-                          tree.protected_size, self.stats.evicted_tokens)
+                          tree.protected_size, self.stats.evicted_tokens,
+                          self.stats.loaded_tokens,
+                          len(tiers.host) if tiers is not None else 0,
+                          len(tiers.disk) if tiers is not None and tiers.disk is not None
+                          else 0)
 
     def holds(self, rid: str) -> bool:
         """Whether request ``rid`` holds a row (and KV memory)."""
@@ -165,7 +187,10 @@ class CacheManager:
         """
         assert req.rid not in self._held, f"{req.rid} already holds memory"
         row = self.req_table.alloc_row()
-        hit = self.tree.match_prefix(req.key_ids[:self.max_prefix(req)], req.namespace)
+        key = req.key_ids[:self.max_prefix(req)]
+        hit = self.tree.match_prefix(key, req.namespace)
+        if self.tiers is not None:
+            hit = self._load_back(key, req.namespace, hit)
         self.tree.inc_lock_ref(hit.node)
         self.req_table.write(row, 0, hit.slots)
         self._held[req.rid] = ReqMemory(row, hit.node, hit.length, hit.length)
@@ -242,6 +267,93 @@ class CacheManager:
         if result.existing_len > mem.prefix_len:
             self.pool.free(ours[mem.prefix_len:result.existing_len].clone())
         return result.node
+
+    # ------------------------------------------------------------------ tiers
+    def prefetch(self, req: "Req") -> None:
+        """Start reading from disk the pages that continue ``req``'s cached prefix (a waiting
+        request; :meth:`ready` says when they are in the host tier)."""
+        if self.tiers is None or self.tiers.disk is None:
+            return
+        key = req.key_ids[:self.max_prefix(req)]
+        names = page_hashes(key, req.namespace, len(key) // PAGE_TOKENS)
+        cached = self.tree.prefix_len(key, req.namespace)[0] // PAGE_TOKENS
+        future = self.tiers.prefetch(names[cached:])
+        if future is not None:
+            self._prefetching[req.rid] = future
+
+    def ready(self, req: "Req") -> bool:
+        """False while a read-ahead for ``req`` is still running."""
+        future = self._prefetching.get(req.rid)
+        if future is None:
+            return True
+        if not future.done():
+            return False
+        del self._prefetching[req.rid]
+        return True
+
+    def _spill(self, node: TreeNode) -> None:
+        """Copy the full pages that hold tokens of ``node`` (a leaf being evicted) into the
+        tiers, unless they are there already."""
+        start_len = len(node.key)
+        namespace, key, slots = self.tree.path(node)
+        end = len(key)
+        first, last = (end - start_len) // PAGE_TOKENS, end // PAGE_TOKENS
+        if first >= last:
+            return
+        names = page_hashes(key, namespace, last)
+        for k in range(first, last):
+            if names[k] not in self.tiers:
+                self.tiers.put(names[k], self._page(slots[k * PAGE_TOKENS:(k + 1) * PAGE_TOKENS]))
+
+    def _page(self, slots: torch.Tensor) -> torch.Tensor:
+        """The K/V of ``slots`` over all layers: [layers, 2, len(slots), kv_heads, head_dim]
+        on the CPU."""
+        idx = slots.to(self.pool.device)
+        return torch.stack([torch.stack((k[idx], v[idx])) for k, v in
+                            zip(self.pool.k_buffers, self.pool.v_buffers)]).cpu()
+
+    def _load_back(self, key: list[int], namespace: Any, hit: MatchResult) -> MatchResult:
+        """Extend ``hit`` with consecutive pages found in the host tier: copy them into
+        freshly allocated slots, insert them into the tree, match again."""
+        num_pages = len(key) // PAGE_TOKENS
+        k0 = hit.length // PAGE_TOKENS
+        if k0 >= num_pages:
+            return hit
+        names = page_hashes(key, namespace, num_pages)
+        pages = []
+        for name in names[k0:]:
+            page = self.tiers.get_ready(name)
+            if page is None:
+                break
+            pages.append(page)
+        if not pages:
+            return hit
+        end = (k0 + len(pages)) * PAGE_TOKENS
+        self.tree.inc_lock_ref(hit.node)  # eviction for room must not take the matched path
+        try:
+            slots = self.alloc(end - hit.length)
+        finally:
+            self.tree.dec_lock_ref(hit.node)
+        if slots is None:
+            return hit
+        kv = torch.cat(pages, dim=2)[:, :, hit.length - k0 * PAGE_TOKENS:]
+        idx = slots.to(self.pool.device)
+        for layer, (k, v) in enumerate(zip(self.pool.k_buffers, self.pool.v_buffers)):
+            k[idx] = kv[layer, 0].to(k.device, k.dtype)
+            v[idx] = kv[layer, 1].to(v.device, v.dtype)
+        result = self.tree.insert(key[:end], torch.cat((hit.slots, slots)), namespace)
+        assert result.existing_len == hit.length, "the matched path changed during a load"
+        self.tiers.loaded += len(pages)
+        self.stats.loaded_tokens += end - hit.length
+        return self.tree.match_prefix(key, namespace)
+
+    def persist(self) -> None:
+        """Write every cached prefix's full pages to the disk tier and wait (shutdown)."""
+        if self.tiers is None or self.tiers.disk is None:
+            return
+        for node in list(self.tree._nodes()):
+            self._spill(node)
+        self.tiers.save_all()
 
     def flush(self) -> bool:
         """Drop the whole cache if no request holds memory; False (nothing done) otherwise."""

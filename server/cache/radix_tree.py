@@ -21,7 +21,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass
-from typing import Hashable, Sequence
+from typing import Callable, Hashable, Sequence
 
 import torch
 
@@ -96,12 +96,16 @@ class RadixCache:
 
     def __init__(self, disabled: bool = False):
         self.disabled = disabled
+        # called with each leaf :meth:`evict` is about to drop (still attached: see
+        # :meth:`path`), e.g. to copy its KV into a lower tier (server.cache.tiers)
+        self.on_evict: Callable[[TreeNode], None] | None = None
         self.reset()
 
     def reset(self) -> None:
         """Drop every node. The caller must have freed (or be about to free) all tree slots
         (see :meth:`all_slots`) and no node may be locked."""
         self._roots: dict[Hashable, TreeNode] = {}
+        self._namespace_of: dict[int, Hashable] = {}  # id(root) -> namespace
         self._clock = itertools.count(1)
         self.evictable_size = 0  # tokens in unlocked nodes
         self.protected_size = 0  # tokens in locked nodes
@@ -111,6 +115,7 @@ class RadixCache:
         if root is None and create:
             root = self._roots[namespace] = TreeNode([], _EMPTY, None)
             root.lock_ref = 1  # roots are never evicted
+            self._namespace_of[id(root)] = namespace
         return root
 
     # ------------------------------------------------------------------ lookups
@@ -226,6 +231,8 @@ class RadixCache:
         freed, count = [], 0
         while heap and count < num_tokens:
             _, _, node = heapq.heappop(heap)
+            if self.on_evict is not None:
+                self.on_evict(node)
             parent = node.parent
             del parent.children[node.key[0]]
             freed.append(node.value)
@@ -236,6 +243,21 @@ class RadixCache:
         return torch.cat(freed)
 
     # ------------------------------------------------------------------ inspection
+    def path(self, node: TreeNode) -> tuple[Hashable, list[int], torch.Tensor]:
+        """(namespace, token ids, slots [len] int64) from the root to the end of ``node``."""
+        keys, values = [], []
+        while not node.is_root:
+            keys.append(node.key)
+            values.append(node.value)
+            node = node.parent
+        key = [t for k in reversed(keys) for t in k]
+        slots = torch.cat(values[::-1]) if values else _EMPTY
+        return self._namespace_of.get(id(node)), key, slots
+
+    def leaves(self) -> list[TreeNode]:
+        """Every node without children (the ends of all cached sequences)."""
+        return [n for n in self._nodes() if not n.children]
+
     def _nodes(self):
         stack = list(self._roots.values())
         while stack:

@@ -28,10 +28,13 @@ _GAUGES = {  # scheduler metric -> help text
     "kv_usage": "share of the KV pool held by requests or locked cache entries",
     "kv_cached_tokens": "tokens held by the radix cache",
     "cache_hit_rate": "cached prompt tokens / prompt tokens since start",
+    "host_tier_pages": "KV pages in the host tier (--hicache-size)",
+    "disk_tier_pages": "KV pages in the disk tier (--cache-dir)",
 }
 _COUNTERS = {
     "prompt_tokens": "prompt tokens received", "cached_prompt_tokens": "prompt tokens reused",
     "generated_tokens": "tokens generated", "evicted_tokens": "cache tokens evicted",
+    "tier_loaded_tokens": "cached tokens loaded back from the host or disk tier",
     "retractions": "requests retracted under memory pressure", "aborts": "requests aborted",
     "invariant_violations": "KV memory invariant violations (should stay 0)",
 }

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import time
 
 import torch
@@ -56,6 +57,7 @@ class SchedulerLoop:
         self.compiling: dict[str, tuple] = {}
         self.invariant_violations = 0
         self.steps = 0
+        self.stopping = False  # set by SIGTERM: leave the loop, persist the cache, exit
 
     # ------------------------------------------------------------------ messages
     def _handle(self, msg: P.Message) -> None:
@@ -179,6 +181,8 @@ class SchedulerLoop:
             return
         batch = sched.step()
         if batch is None:
+            if sched.reading_ahead:
+                time.sleep(0.001)  # cached pages are coming from disk: do not spin
             return
         try:
             deltas = sched.update(batch, self.engine.runner.forward(batch))
@@ -194,10 +198,12 @@ class SchedulerLoop:
         """Loop until the parent (HTTP) process is gone: a SIGKILLed server must not leave an
         orphaned scheduler holding the model in memory."""
         parent = os.getppid()
-        while os.getppid() == parent:
+        while os.getppid() == parent and not self.stopping:
             self.run_once()
             self.engine.check_parallel()  # a dead tensor-parallel rank stops the server
-        log.error("the HTTP process is gone; the scheduler exits")
+        if not self.stopping:
+            log.error("the HTTP process is gone; the scheduler exits")
+        self.engine.cache.persist()  # --cache-dir: what is cached survives the restart
 
 
 def run_scheduler_process(config: EngineConfig, to_scheduler: str, from_scheduler: str,
@@ -224,4 +230,10 @@ def run_scheduler_process(config: EngineConfig, to_scheduler: str, from_schedule
         context_len=engine.context_len, max_total_tokens=engine.config.cache.max_total_tokens,
         dtype=mc.dtype, device=mc.device, attention_backend=mc.attention_backend,
         quantization=quant, compiled=engine.runner.compiled)))
-    SchedulerLoop(engine, recv, send).serve_forever()
+    loop = SchedulerLoop(engine, recv, send)
+
+    def stop(*_) -> None:
+        loop.stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    loop.serve_forever()

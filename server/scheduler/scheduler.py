@@ -96,6 +96,7 @@ class Scheduler:
         req.status = ReqStatus.WAITING
         self.reqs[req.rid] = req
         self.waiting.append(req)
+        self.cache.prefetch(req)  # pages of its prefix on disk: read ahead, off this thread
         self.stats.prompt_tokens += len(req.input_ids)
         if req.wants_input_logprobs and req.logprobs.logprob_start_len == 0:
             req.input_token_logprobs.append((None, req.input_ids[0]))
@@ -137,6 +138,11 @@ class Scheduler:
     def flush_cache(self) -> bool:
         """Empty the radix cache; refused (False) while any request holds KV memory."""
         return self.cache.flush()
+
+    @property
+    def reading_ahead(self) -> bool:
+        """Whether a waiting request waits for its cached pages to come from disk."""
+        return any(not self.cache.ready(r) for r in self.waiting)
 
     @property
     def has_work(self) -> bool:
@@ -211,6 +217,8 @@ class Scheduler:
                 break
             if in_step.defer(req):
                 continue  # computed by another request this step: it will be a cache hit next
+            if not self.cache.ready(req):
+                continue  # its cached pages are still being read from disk
             busy = bool(self.prefilling or self.running)
             hit = self.cache.admit(req)
             req.computed_len = hit.cached_len

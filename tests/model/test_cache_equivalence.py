@@ -6,6 +6,7 @@ cache with part of the workload first, so the measured batch mixes hits and miss
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -119,3 +120,44 @@ def test_sliding_window_model_cache_on_equals_off(make_tiny_model):
         eng, outs = run_cached(path, prompts, **kwargs)
         assert [o["output_ids"] for o in outs] == want, kwargs
         assert sum(o["meta_info"]["cached_tokens"] for o in outs) > 0
+
+
+def test_host_tier_loads_evicted_prefixes_back_without_changing_outputs(tiny_path, reference):
+    """A pool too small for the workload with a host tier under it: evicted pages come back
+    as cache hits (tier_loaded_tokens > 0) and greedy outputs equal the cache-off reference."""
+    prompts, want = reference
+    long_prompts = [p * 3 for p in prompts[:6]]  # >= 2 pages each, sharing the system prefix
+    ref = Engine(tiny_path, dtype="float32", context_length=512, max_total_tokens=8192,
+                 disable_radix_cache=True)
+    want = [o["output_ids"] for o in ref.generate(input_ids=long_prompts, sampling_params=SP)]
+    eng = Engine(tiny_path, dtype="float32", context_length=512, max_total_tokens=600,
+                 max_new_tokens_reserve=1, hicache_size=0.01)
+    for _ in range(2):
+        outs = [eng.generate(input_ids=p, sampling_params=SP) for p in long_prompts]
+        assert [o["output_ids"] for o in outs] == want
+    assert eng.metrics()["tier_loaded_tokens"] > 0
+    assert eng.cache.stats.evicted_tokens > 0
+    eng.scheduler.check_invariants()
+    assert_no_request_memory(eng.cache)
+
+
+def test_cache_dir_survives_a_restart(tiny_path, reference, tmp_path):
+    """Engine A persists its cache; a new engine on the same model and dtype starts with those
+    prefixes (cached tokens, identical outputs); one in another dtype ignores them."""
+    prompts, want = reference
+    p = prompts[0] * 3
+    a = Engine(tiny_path, dtype="float32", context_length=512, max_total_tokens=8192,
+               cache_dir=str(tmp_path))
+    first = a.generate(input_ids=p, sampling_params=SP)
+    assert first["meta_info"]["cached_tokens"] == 0
+    a.cache.persist()
+    b = Engine(tiny_path, dtype="float32", context_length=512, max_total_tokens=8192,
+               cache_dir=str(tmp_path))
+    again = b.generate(input_ids=p, sampling_params=SP)
+    assert again["output_ids"] == first["output_ids"]
+    pages = (len(p) - 1) // 64
+    assert again["meta_info"]["cached_tokens"] == pages * 64 > 0
+    c = Engine(tiny_path, dtype="bfloat16", context_length=512, max_total_tokens=8192,
+               cache_dir=str(tmp_path))
+    assert c.generate(input_ids=p, sampling_params=SP)["meta_info"]["cached_tokens"] == 0
+    assert len(os.listdir(tmp_path)) == 2  # one directory per model/format

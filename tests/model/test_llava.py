@@ -67,3 +67,22 @@ def test_bad_images_are_refused_and_change_nothing(engine):
     after = engine.metrics()
     assert after["prompt_tokens"] == before["prompt_tokens"]
     assert after["kv_free_tokens"] == before["kv_free_tokens"]
+
+
+def test_an_image_is_encoded_once_and_not_at_all_when_cached(tiny_llava):
+    """Chunked prefill cutting through the image's positions encodes it once; a repeat of the
+    prompt finds the image's positions cached and does not encode it."""
+    from server.engine import Engine
+
+    eng = Engine(tiny_llava[0], dtype="float32", context_length=256, max_total_tokens=2048,
+                 chunked_prefill_size=3)
+    calls = []
+    encode = eng.runner.vision.encode
+    eng.runner.vision.encode = lambda pixels: calls.append(1) or encode(pixels)
+    ids = eng.encode("An <image> and a question:")
+    sp = {"max_new_tokens": 2, "temperature": 0}
+    first = eng.generate(input_ids=ids, image_data=[png(6)], sampling_params=sp)
+    assert len(calls) == 1
+    again = eng.generate(input_ids=ids, image_data=[png(6)], sampling_params=sp)
+    assert len(calls) == 1 and again["output_ids"] == first["output_ids"]
+    assert again["meta_info"]["cached_tokens"] == again["meta_info"]["prompt_tokens"] - 1
