@@ -97,12 +97,21 @@ class SGLangEngine:
 
     # -- contract ------------------------------------------------------------------------------
     def complete(self, request) -> Response:
-        plan = self._plan(request)
-        if plan is not None:
-            return self._run_lowered(request, *plan)
-        return self._chat(request)
+        try:
+            plan = self._plan(request)
+            if plan is not None:
+                return self._run_lowered(request, *plan)
+            return self._chat(request)
+        except sgl.BackendError as exc:  # the chat template, a prefix hint: same mapping
+            raise _lm15_error(exc) from exc
 
     def stream(self, request) -> Iterator:
+        try:
+            yield from self._stream(request)
+        except sgl.BackendError as exc:
+            raise _lm15_error(exc) from exc
+
+    def _stream(self, request) -> Iterator:
         plan = self._plan(request)
         if plan is None:
             yield from response_to_events(self._chat(request))

@@ -282,7 +282,9 @@ class ChatSGLang(BaseChatModel):
                                strict: bool | None = None,
                                **kwargs: Any) -> Runnable[LanguageModelInput, Any]:
         """Outputs that always validate: the schema becomes a grammar on the server.
-        ``schema``: pydantic class, TypedDict or JSON-schema dict (None for json_mode)."""
+        ``schema``: pydantic class, TypedDict or JSON-schema dict (None for json_mode).
+        ``json_mode`` always returns valid JSON (a JSON-object grammar) and, given a schema,
+        enforces that schema like ``json_schema`` (only the tracing metadata differs)."""
         if kwargs:
             raise ValueError(f"unexpected arguments {sorted(kwargs)}")
         is_pydantic = isinstance(schema, type) and is_basemodel_subclass(schema)
@@ -307,7 +309,14 @@ class ChatSGLang(BaseChatModel):
             parser = (PydanticOutputParser(pydantic_object=schema) if is_pydantic
                       else JsonOutputParser())
         elif method == "json_mode":
-            llm = self.bind(response_format={"type": "json_object"}, ls_structured_output_format={
+            # valid JSON always (a JSON-object grammar); with a schema, that schema's grammar
+            fmt: dict[str, Any] = {"type": "json_object"}
+            if schema is not None:
+                fmt = {"type": "json_schema", "json_schema": {
+                    "name": "output", "strict": True, "schema": (
+                        schema.model_json_schema() if hasattr(schema, "model_json_schema")
+                        else convert_to_json_schema(schema))}}
+            llm = self.bind(response_format=fmt, ls_structured_output_format={
                 "kwargs": {"method": method}, "schema": schema})
             parser = (PydanticOutputParser(pydantic_object=schema) if is_pydantic
                       else JsonOutputParser())

@@ -69,30 +69,35 @@ class TestChatSGLangIntegration(ChatModelIntegrationTests):
     _LOOPS = ("SmolLM2-135M loops inside the Joke's free-text 'setup' string until max_tokens, "
               "so the JSON is cut before 'punchline'")
 
-    # The suite requires a method-level xfail on any override, so the passing TypedDict and
-    # JSON-schema variants report XPASS.
-    @pytest.mark.xfail(reason=_LOOPS + " (pydantic variant only)")
-    @pytest.mark.parametrize("schema_type", ["pydantic", "typeddict", "json_schema"])
+    # The suite wants a method-level xfail with a reason on every override; a condition of
+    # False satisfies it without applying, so each variant carries its own strict xfail (a
+    # variant that starts passing, or one that starts failing, shows).
+    _PYDANTIC_LOOPS = pytest.param("pydantic", marks=pytest.mark.xfail(
+        reason=_LOOPS + " (pydantic variant)", strict=True))
+
+    @pytest.mark.xfail(False, reason="per variant: see the parametrize marks")
+    @pytest.mark.parametrize("schema_type", [_PYDANTIC_LOOPS, "typeddict", "json_schema"])
     def test_structured_output(self, model, schema_type) -> None:
         super().test_structured_output(model, schema_type)
 
-    @pytest.mark.xfail(reason=_LOOPS + " (pydantic variant only)")
-    @pytest.mark.parametrize("schema_type", ["pydantic", "typeddict", "json_schema"])
+    @pytest.mark.xfail(False, reason="per variant: see the parametrize marks")
+    @pytest.mark.parametrize("schema_type", [_PYDANTIC_LOOPS, "typeddict", "json_schema"])
     async def test_structured_output_async(self, model, schema_type) -> None:
         await super().test_structured_output_async(model, schema_type)
 
-    @pytest.mark.xfail(reason=_LOOPS)
+    @pytest.mark.xfail(reason=_LOOPS, strict=True)
     def test_structured_output_pydantic_2_v1(self, model) -> None:
         super().test_structured_output_pydantic_2_v1(model)
 
-    @pytest.mark.xfail(reason=_LOOPS + " (json_mode gives the model no schema at all)")
+    @pytest.mark.xfail(reason=_LOOPS + " (json_mode with the Joke schema enforced)", strict=True)
     def test_json_mode(self, model) -> None:
         super().test_json_mode(model)
 
     @pytest.mark.parametrize("model", [{}, {"output_version": "v1"}], indirect=True)
     @pytest.mark.xfail(reason="with tool_choice='auto' SmolLM2-135M answers 'What is the weather "
                        "in San Francisco?' in text instead of calling get_weather (forced "
-                       "calls are grammar-enforced and pass: test_tool_calling, tool_choice)")
+                       "calls are grammar-enforced and pass: test_tool_calling, tool_choice)",
+                       strict=True)
     def test_agent_loop(self, model) -> None:
         super().test_agent_loop(model)
 
@@ -152,6 +157,22 @@ def test_structured_output_methods_and_include_raw(llm):
     out = llm.with_structured_output(schema, include_raw=True).invoke("Paris is nice.")
     assert out["parsing_error"] is None and isinstance(out["parsed"]["city"], str)
     assert out["raw"].usage_metadata["input_tokens"] > 0
+
+
+@pytest.mark.default_model
+def test_json_mode_is_valid_json_and_enforces_a_given_schema(llm):
+    """json_mode without a schema: always a JSON object; with one: that schema (prompts that
+    do not ask for JSON, where a free-running 135M model writes prose)."""
+    free = llm.with_structured_output(None, method="json_mode")
+    for prompt in ("Tell me about Paris.", "Hello!", "Count to three."):
+        assert isinstance(free.invoke(prompt), dict)
+    class City(pydantic.BaseModel):  # bounded strings: the object completes within max_tokens
+        name: str = pydantic.Field(max_length=16)
+        population: int
+
+    typed = llm.with_structured_output(City, method="json_mode")
+    for prompt in ("Tell me about Paris.", "Hello!"):
+        assert isinstance(typed.invoke(prompt), City)
 
 
 @pytest.mark.default_model

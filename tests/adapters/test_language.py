@@ -254,7 +254,9 @@ def test_api_speculative_execution_saves_calls(default_server):
         assert s.error() is None
         results[name] = ((s["name"], s["age"], s["city"]), oa.usage)
     (values, spec_usage), (plain_values, plain_usage) = results["spec"], results["plain"]
-    assert values == plain_values == (" Anna Schmidt", " 27", " Berlin")
+    # speculation must not change what greedy decoding gives, field by field (the reference
+    # is the plain run, not a pinned string); and the fields are filled
+    assert values == plain_values and all(v.strip() for v in values)
     assert (spec_usage.api_calls, plain_usage.api_calls) == (1, 3)
     assert plain_usage.prompt_tokens > 2.5 * spec_usage.prompt_tokens
 
@@ -269,9 +271,13 @@ def test_api_speculation_mismatch_falls_back(default_server):
 
     oa = sgl.OpenAI("default", base_url=default_server.url + "/v1", is_chat_model=False)
     s = off_template.run("Anna Schmidt, 27, lives in Berlin.", backend=oa, temperature=0)
-    assert s.error() is None and s["name"] == " Anna Schmidt"
+    assert s.error() is None
     assert oa.usage.api_calls == 2  # the speculated "Age:" line did not match: a real call
-    assert isinstance(s["colour"], str)
+    reference = sgl.function(off_template.func).run(  # the same program without speculation
+        "Anna Schmidt, 27, lives in Berlin.", temperature=0,
+        backend=sgl.OpenAI("default", base_url=default_server.url + "/v1",
+                           is_chat_model=False))
+    assert (s["name"], s["colour"]) == (reference["name"], reference["colour"])
 
 
 @pytest.mark.default_model
