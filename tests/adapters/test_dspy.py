@@ -252,3 +252,88 @@ def test_copied_from_lowers_to_a_span_of_the_input_field():
     (field,) = plan_fields(system, user)
     assert field.kind == "span" and field.texts == tuple(passages)
     assert "ebnf" in field.expr(16).sampling.native()
+
+
+def _finished(url: str) -> int:
+    import httpx
+
+    return httpx.get(url + "/server_info").json()["metrics"]["finished_requests"]
+
+
+def test_acall_concurrently_from_async_code(lm):
+    """Eight calls gathered on one event loop (DSPy 3.4 has no abatch): all answer, and the
+    sync ``batch`` also works when called from a coroutine (it runs its own threads)."""
+    program = dspy.Predict("question -> answer: Literal['yes', 'no']")
+    questions = [f"Is {n} an even number?" for n in range(8)]
+
+    async def main():
+        preds = await asyncio.gather(*[program.acall(question=q) for q in questions])
+        batch = program.batch([dspy.Example(question=q).with_inputs("question")
+                               for q in questions[:4]], num_threads=4,
+                              disable_progress_bar=True)
+        return preds, batch
+
+    preds, batch = asyncio.run(main())
+    assert [p.answer in ("yes", "no") for p in preds] == [True] * 8
+    assert len(batch) == 4 and all(p.answer in ("yes", "no") for p in batch)
+
+
+def test_best_of_n_rollouts_are_distinct_requests(default_server):
+    """BestOfN with a reward that is never met: N rollouts, each a real server request (its
+    rollout id keeps DSPy's cache from answering), sampled at temperature 1."""
+    lm = SGLangLM(base_url=default_server.url, cache=True, max_tokens=16)
+    answers = []
+
+    def reward(args, pred):
+        answers.append(pred.answer)
+        return 0.0
+
+    before = _finished(default_server.url)
+    with dspy.context(lm=lm, adapter=None):
+        dspy.BestOfN(dspy.Predict("question -> answer"), N=3, reward_fn=reward,
+                     threshold=1.0)(question="Name a color.")
+    assert len(answers) == 3
+    assert _finished(default_server.url) - before >= 3
+    assert len(set(answers)) >= 2  # sampled, not one cached answer three times
+
+
+def test_usage_tracking_reports_cached_tokens(default_server):
+    lm = SGLangLM(base_url=default_server.url, cache=False, temperature=0, max_tokens=16)
+    program = dspy.Predict("question -> answer: Literal['yes', 'no']")
+    with dspy.context(lm=lm, adapter=None, track_usage=True):
+        program(question="Is the sky blue?")
+        pred = program(question="Is the sky blue?")
+    usage = pred.get_lm_usage()
+    (model_usage,) = usage.values()
+    assert model_usage["prompt_tokens"] > 0
+    details = model_usage.get("prompt_tokens_details") or {}
+    assert details.get("cached_tokens", 0) > 0, usage
+
+
+def test_bootstrap_few_shot_candidates_share_their_demo_prefixes(default_server):
+    """BootstrapFewShot compiles on a small train set; evaluating the compiled program (its
+    demos are one shared prefix) is served mostly from the radix cache."""
+    import httpx
+
+    lm = SGLangLM(base_url=default_server.url, cache=False, temperature=0, max_tokens=16)
+    facts = [("Is Paris in France?", "yes"), ("Is Rome in Spain?", "no"),
+             ("Is Berlin in Germany?", "yes"), ("Is Madrid in Italy?", "no"),
+             ("Is Oslo in Norway?", "yes"), ("Is Lima in Chile?", "no")]
+    train = [dspy.Example(question=q, answer=a).with_inputs("question") for q, a in facts]
+    program = dspy.Predict("question -> answer: Literal['yes', 'no']")
+    with dspy.context(lm=lm, adapter=None):
+        compiled = dspy.BootstrapFewShot(
+            metric=lambda ex, pred, trace=None: ex.answer == pred.answer,
+            max_bootstrapped_demos=2, max_labeled_demos=2).compile(program, trainset=train)
+        assert compiled.demos
+        httpx.post(default_server.url + "/flush_cache")
+        before = httpx.get(default_server.url + "/server_info").json()["metrics"]
+        dev = [dspy.Example(question=f"Is {c} in Europe?").with_inputs("question")
+               for c in ("Vienna", "Tokyo", "Prague", "Cairo", "Dublin", "Quito")]
+        preds = compiled.batch(dev, num_threads=3, disable_progress_bar=True)
+        after = httpx.get(default_server.url + "/server_info").json()["metrics"]
+    assert all(p.answer in ("yes", "no") for p in preds)
+    prompt = after["prompt_tokens"] - before["prompt_tokens"]
+    cached = after["cached_prompt_tokens"] - before["cached_prompt_tokens"]
+    print(f"compiled-program hit rate {cached / prompt:.3f} ({cached}/{prompt} tokens)")
+    assert cached / prompt > 0.5, (cached, prompt)
