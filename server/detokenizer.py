@@ -9,13 +9,17 @@ the prompt's last tokens. Otherwise the classic method (TGI, vLLM, SGLang) decod
 window of ids twice — with and without the new ones — and emits the difference, holding back
 while the window ends in an incomplete character (U+FFFD).
 
-Stop strings are searched in the text produced so far; the text is cut before the first match.
-For streaming, :attr:`IncrementalDetokenizer.stream_safe_text` holds back a tail that could still
-become a stop string, so text that was sent is never taken back.
+Stop strings are searched in the text produced so far; the text is cut before the first match
+(after it with ``no_stop_trim``). For streaming, :attr:`IncrementalDetokenizer.stream_safe_text`
+holds back a tail that could still become a stop string, so text that was sent is never taken
+back. Stop regexes (SGLang's ``stop_regex``) are searched in the last ``REGEX_WINDOW``
+characters; a streamed text holds nothing back for them (a regex may match text of any length),
+so a match that starts in text already sent ends the stream there without taking it back.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, Sequence
 
 _REPLACEMENT = "\ufffd"
@@ -31,12 +35,16 @@ class IncrementalDetokenizer:
     """
 
     WINDOW = 5  # tokens of prompt context
+    REGEX_WINDOW = 1024  # characters searched for a stop regex
 
     def __init__(self, tokenizer: Any, prompt_ids: Sequence[int], stop: Sequence[str] = (),
-                 skip_special_tokens: bool = True):
+                 skip_special_tokens: bool = True, stop_regex: Sequence[str] = (),
+                 no_stop_trim: bool = False):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.stop = tuple(stop)
+        self.stop_regex = tuple(re.compile(p) for p in stop_regex)
+        self.no_stop_trim = no_stop_trim
         self._max_stop = max((len(s) for s in self.stop), default=0)
         self._ids: list[int] = list(prompt_ids[-self.WINDOW:])
         self._prefix_offset = 0
@@ -69,7 +77,7 @@ class IncrementalDetokenizer:
             return ""
         before = len(self.text)
         self.text += new
-        if self.stop:
+        if self.stop or self.stop_regex:
             self._check_stop(before)
         return self.text[before:]
 
@@ -93,14 +101,19 @@ class IncrementalDetokenizer:
 
     def _check_stop(self, before: int) -> None:
         start = max(0, before - self._max_stop + 1)
-        best = None
+        best = None  # (start, end, matched text)
         for s in self.stop:
             pos = self.text.find(s, start)
             if pos != -1 and (best is None or pos < best[0]):
-                best = (pos, s)
+                best = (pos, pos + len(s), s)
+        window = max(0, len(self.text) - self.REGEX_WINDOW)
+        for pattern in self.stop_regex:
+            m = pattern.search(self.text, window)
+            if m is not None and m.end() > before and (best is None or m.start() < best[0]):
+                best = (m.start(), m.end(), m.group(0))
         if best is not None:
-            self.text = self.text[:best[0]]
-            self.matched_stop = best[1]
+            self.text = self.text[:best[1] if self.no_stop_trim else best[0]]
+            self.matched_stop = best[2]
 
     @property
     def stream_safe_text(self) -> str:
@@ -121,7 +134,7 @@ class OutputText:
 
     Args:
         tokenizer, prompt_ids: as for :class:`IncrementalDetokenizer`.
-        stop: stop strings; skip_special_tokens: as in SamplingParams.
+        stop, skip_special_tokens, stop_regex, no_stop_trim: as in SamplingParams.
 
     :meth:`feed` takes each step's new ids and the scheduler's finish reason. A stop token
     (EOS, a stop id, a grammar's end) is counted but not shown; a stop string ends the output
@@ -130,9 +143,10 @@ class OutputText:
     """
 
     def __init__(self, tokenizer: Any, prompt_ids: Sequence[int], stop: Sequence[str] = (),
-                 skip_special_tokens: bool = True):
+                 skip_special_tokens: bool = True, stop_regex: Sequence[str] = (),
+                 no_stop_trim: bool = False):
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, stop,
-                                                  skip_special_tokens)
+                                                  skip_special_tokens, stop_regex, no_stop_trim)
         self.num_tokens = 0  # output tokens kept
         self.finish_reason: dict[str, Any] | None = None
 

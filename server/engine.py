@@ -320,7 +320,8 @@ class Engine:
         for req in reqs:  # validate all first, so a bad one queues nothing
             self.scheduler.validate(req)
         texts = {r.rid: OutputText(self.tokenizer, r.input_ids, r.params.stop,
-                                   r.params.skip_special_tokens) for r in reqs}
+                                   r.params.skip_special_tokens, r.params.stop_regex,
+                                   r.params.no_stop_trim) for r in reqs}
         for req in reqs:
             self.scheduler.add_request(req)
         for deltas in self.stream_steps():

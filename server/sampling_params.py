@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -29,6 +30,10 @@ MAX_STOP_STRING_CHARS = 256
 MAX_N = 64
 MAX_LOGIT_BIAS_ENTRIES = 1024
 _INT64 = (-(1 << 63), (1 << 63) - 1)
+
+
+# SGLang sampling fields accepted and ignored (see SamplingParams.from_sglang)
+SGLANG_IGNORED = ("spaces_between_special_tokens", "stream_interval", "custom_params")
 
 
 class SamplingParamsError(ValueError):
@@ -68,6 +73,10 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    # regular expressions (Python ``re``) whose first match in the output ends it like a stop
+    # string (SGLang's name)
+    stop_regex: tuple[str, ...] = ()
+    no_stop_trim: bool = False  # keep the matched stop string / regex match in the text
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     n: int = 1
@@ -84,17 +93,18 @@ class SamplingParams:
                 raise SamplingParamsError(field, msg)
 
         # Accept lists/dicts from JSON; store hashable tuples.
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        elif self.stop is None:
-            object.__setattr__(self, "stop", ())
+        for name in ("stop", "stop_regex"):
+            if isinstance(getattr(self, name), str):
+                object.__setattr__(self, name, (getattr(self, name),))
+            elif getattr(self, name) is None:
+                object.__setattr__(self, name, ())
         if isinstance(self.logit_bias, Mapping):
             try:
                 items = tuple((int(k), v) for k, v in self.logit_bias.items())
             except (TypeError, ValueError):
                 raise SamplingParamsError("logit_bias", "keys must be token ids (integers)")
             object.__setattr__(self, "logit_bias", items)
-        for name in ("stop", "stop_token_ids", "logit_bias"):
+        for name in ("stop", "stop_regex", "stop_token_ids", "logit_bias"):
             value = getattr(self, name)
             need(isinstance(value, (list, tuple)), name, "must be a list")
             object.__setattr__(self, name, tuple(value))
@@ -130,6 +140,18 @@ class SamplingParams:
             need(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_CHARS, "stop",
                  f"each stop string must be a non-empty string of at most "
                  f"{MAX_STOP_STRING_CHARS} characters")
+        need(len(self.stop_regex) <= MAX_STOP_STRINGS, "stop_regex",
+             f"at most {MAX_STOP_STRINGS} patterns")
+        for pattern in self.stop_regex:
+            need(isinstance(pattern, str) and 0 < len(pattern) <= MAX_STOP_STRING_CHARS,
+                 "stop_regex", f"each pattern must be a non-empty string of at most "
+                 f"{MAX_STOP_STRING_CHARS} characters")
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise SamplingParamsError("stop_regex", f"{pattern!r} is not a valid regular "
+                                          f"expression: {exc}") from exc
+        need(isinstance(self.no_stop_trim, bool), "no_stop_trim", "must be a boolean")
         need(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
              "must be non-negative integers")
         need(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a boolean")
@@ -149,6 +171,26 @@ class SamplingParams:
     def grammar(self) -> GrammarSpec | None:
         """The normalized constraint, or None."""
         return self._grammar
+
+    @classmethod
+    def from_sglang(cls, d: Mapping[str, Any] | None) -> "SamplingParams":
+        """From SGLang's ``sampling_params`` (its frontend and clients send its whole set):
+        ``sampling_seed`` is ``seed``; the cosmetic ``spaces_between_special_tokens``
+        (fast tokenizers have no such switch) and ``stream_interval`` (streams are coalesced
+        here anyway) and ``custom_params`` (inert without a custom logit processor, which
+        /generate refuses) are accepted and ignored; ``structural_tag`` is refused. Raises
+        SamplingParamsError."""
+        d = dict(d or {})
+        for name in SGLANG_IGNORED:
+            d.pop(name, None)
+        if d.get("structural_tag") is not None:
+            raise SamplingParamsError("structural_tag", "structural tags are not supported; "
+                                      "use json_schema, regex or ebnf")
+        d.pop("structural_tag", None)
+        if "sampling_seed" in d:
+            seed = d.pop("sampling_seed")
+            d.setdefault("seed", seed)
+        return cls.from_dict(d)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None, *, ignore_unknown: bool = False

@@ -251,7 +251,7 @@ async def admit_generate(manager: TokenizerManager, body: GenerateRequest
     inputs = []
     for k, (_, d, rid) in enumerate(zip(prompts, sps, rids)):
         try:
-            params = SamplingParams.from_dict(d)
+            params = SamplingParams.from_sglang(d)
         except SamplingParamsError as exc:
             raise ApiError(400, f"sampling_params.{exc}", param=exc.param) from exc
         if params.n != 1:

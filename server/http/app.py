@@ -83,6 +83,14 @@ def create_app(manager: TokenizerManager, *, model_name: str, model_path: str | 
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 404:  # name the route: a bare "Not Found" reads as a missing model
+            return error_response(404, f"route {request.method} {request.url.path} is not "
+                                  "served by this server (OpenAI routes: /v1/models, "
+                                  "/v1/completions, /v1/chat/completions)",
+                                  "invalid_request_error")
+        if exc.status_code == 405:
+            return error_response(405, f"{request.method} is not allowed on "
+                                  f"{request.url.path}", "invalid_request_error")
         return error_response(exc.status_code, str(exc.detail),
                               "invalid_request_error" if exc.status_code < 500 else "server_error")
 

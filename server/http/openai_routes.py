@@ -36,19 +36,31 @@ from server.http.responses import (
     usage,
 )
 from server.http.schemas import ChatCompletionRequest, CompletionRequest, _OpenAISampling
-from server.http.tokenizer_manager import TokenizerManager
+from server.http.tokenizer_manager import ApiError, TokenizerManager
 from server.http.tools import as_tool_call
 from server.reasoning import ReasoningStream, split
 
 router = APIRouter()
 
 
+def _model_card(request: Request) -> dict:
+    return {"id": request.app.state.model_name, "object": "model", "created": 0,
+            "owned_by": "sgl-adapters", "max_model_len": manager_of(request).info.context_len}
+
+
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict:
-    name = request.app.state.model_name
-    return {"object": "list", "data": [{"id": name, "object": "model", "created": 0,
-                                        "owned_by": "sgl-adapters",
-                                        "max_model_len": manager_of(request).info.context_len}]}
+    return {"object": "list", "data": [_model_card(request)]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def retrieve_model(model_id: str, request: Request) -> dict:
+    """OpenAI's "retrieve model": the served model, or 404 naming the one that is served."""
+    card = _model_card(request)
+    if model_id != card["id"]:
+        raise ApiError(404, f"model {model_id!r} is not served here (this server serves "
+                       f"{card['id']!r})", param="model", type="not_found_error")
+    return card
 
 
 # ---------------------------------------------------------------- /v1/completions

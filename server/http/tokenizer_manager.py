@@ -279,7 +279,8 @@ class TokenizerManager:
             first = True
             pending: collections.deque = collections.deque()
             text = OutputText(self.tokenizer, inp.input_ids, inp.params.stop,
-                              inp.params.skip_special_tokens)
+                              inp.params.skip_special_tokens, inp.params.stop_regex,
+                              inp.params.no_stop_trim)
             while True:
                 if not pending:
                     pending.append(await q.get())

@@ -209,8 +209,21 @@ def test_duplicate_request_id_rejected(healthy):
 
 
 def test_unknown_route_is_openai_style_404(healthy):
+    """The error names the route (a bare "Not Found" reads as a missing model to LangChain)."""
     with healthy.client() as c:
         check_error(c.get("/v1/nope"), 404)
+        r = c.post("/v1/embeddings", json={"input": "hi", "model": "x"})
+        check_error(r, 404)
+        assert "/v1/embeddings" in r.json()["error"]["message"]
+
+
+def test_retrieve_model(healthy):
+    with healthy.client() as c:
+        (card,) = c.get("/v1/models").json()["data"]
+        assert c.get(f"/v1/models/{card['id']}").json() == card
+        r = c.get("/v1/models/gpt-4o")
+        check_error(r, 404)
+        assert card["id"] in r.json()["error"]["message"]
 
 
 # ------------------------------------------------------------------ round 2 [3/10]

@@ -133,3 +133,28 @@ def test_stop_string_is_matched_by_the_front_end_and_ends_the_request(c):
             break
         time.sleep(0.05)
     assert info["metrics"]["aborts"] == aborts and info["metrics"]["kv_usage"] == 0.0
+
+
+def test_sglang_frontend_sampling_fields_are_accepted(tiny_server):
+    """The fields SGLang 0.5's frontend and clients send: meaningful ones work (stop_regex,
+    no_stop_trim, min_new_tokens, sampling_seed), cosmetic ones are accepted, structural_tag
+    and bad patterns are a 400."""
+    sp = {"max_new_tokens": 8, "min_new_tokens": 8, "temperature": 0.7, "top_p": 1.0,
+          "top_k": -1, "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+          "repetition_penalty": 1.0, "ignore_eos": False, "skip_special_tokens": True,
+          "spaces_between_special_tokens": True, "stop": [], "stop_token_ids": [],
+          "stop_regex": None, "no_stop_trim": False, "regex": None, "json_schema": None,
+          "ebnf": None, "n": 1, "custom_params": None, "stream_interval": 1,
+          "sampling_seed": 5, "logit_bias": None}
+    with tiny_server.client() as c:
+        a = c.post("/generate", json={"text": "Hello", "sampling_params": sp})
+        b = c.post("/generate", json={"text": "Hello", "sampling_params": sp})
+        assert a.status_code == 200, a.text
+        assert a.json()["output_ids"] == b.json()["output_ids"]  # sampling_seed is the seed
+        assert a.json()["meta_info"]["completion_tokens"] == 8
+        r = c.post("/generate", json={"text": "Hello", "sampling_params": {
+            **sp, "structural_tag": {"type": "structural_tag"}}})
+        assert r.status_code == 400 and "structural_tag" in r.text
+        r = c.post("/generate", json={"text": "Hello", "sampling_params": {
+            **sp, "stop_regex": "(unclosed"}})
+        assert r.status_code == 400 and "stop_regex" in r.text

@@ -68,3 +68,26 @@ def test_output_text_cuts_at_a_stop_string_and_hides_stop_tokens(default_tokeniz
     eos = OutputText(tok, [1], stop=[])
     assert eos.feed(ids[:3] + [tok.eos_token_id], {"type": "stop", "matched": tok.eos_token_id}) == 4
     assert eos.text == tok.decode(ids[:3]) and eos.num_tokens == 4
+
+
+def test_stop_regex_and_no_stop_trim(default_tokenizer):
+    """SGLang's stop_regex ends the output at the first match (across tokens); no_stop_trim
+    keeps the matched text (for stop strings too)."""
+    from server.detokenizer import OutputText
+
+    tok = default_tokenizer
+    ids = tok("The answer is 42. Done here")["input_ids"]
+    prompt = tok("Q:")["input_ids"]
+    cut = OutputText(tok, prompt, stop_regex=[r"\d+\."])
+    cut.feed(ids, None)
+    assert cut.text == "The answer is " and cut.finish_reason == {"type": "stop",
+                                                                   "matched": "42."}
+    kept = OutputText(tok, prompt, stop_regex=[r"\d+\."], no_stop_trim=True)
+    kept.feed(ids, None)
+    assert kept.text == "The answer is 42."
+    both = OutputText(tok, prompt, stop=["Done"], no_stop_trim=True)
+    both.feed(ids, None)
+    assert both.text == "The answer is 42. Done"
+    first = OutputText(tok, prompt, stop=["here"], stop_regex=[r"is \d"])
+    first.feed(ids, None)
+    assert first.text == "The answer "  # the earlier match wins
