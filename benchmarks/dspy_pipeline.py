@@ -85,12 +85,52 @@ def run(label: str, lm: dspy.LM, data, threads: int, server: sgl.RuntimeEndpoint
             f"{cached / prompt:.3f}" if prompt else "-"]
 
 
+class MultipleChoiceConfidence(dspy.Signature):
+    """Answer the multiple-choice question and say how sure you are (0 to 1)."""
+
+    question: str = dspy.InputField()
+    choices: str = dspy.InputField()
+    answer: Literal["A", "B", "C", "D"] = dspy.OutputField()
+    confidence: float = dspy.OutputField()
+
+
+def run_cot(label: str, lm: dspy.LM, data, threads: int, url: str) -> list[str]:
+    """A 3-output-field ChainOfThought (reasoning, answer, confidence): server requests,
+    prompt tokens per question (as the server counted them) and parse failures."""
+    import httpx
+
+    def metrics() -> dict:
+        return httpx.get(url + "/server_info").json()["metrics"]
+
+    before = metrics()
+    failures = total = 0
+    with dspy.context(lm=lm, adapter=None):
+        for _, tests in data:
+            preds = dspy.ChainOfThought(MultipleChoiceConfidence).batch(
+                tests, num_threads=threads, max_errors=10 ** 6, provide_traceback=False,
+                disable_progress_bar=True)
+            for pred in preds:
+                total += 1
+                failures += pred is None or getattr(pred, "answer", None) is None \
+                    or not isinstance(getattr(pred, "confidence", None), float)
+    after = metrics()
+    requests = after["finished_requests"] - before["finished_requests"]
+    prompt = after["prompt_tokens"] - before["prompt_tokens"]
+    return [label, str(total), f"{requests / total:.2f}", f"{prompt / total:.0f}",
+            str(failures)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=100)
     ap.add_argument("--threads", type=int, default=8)
+    ap.add_argument("--openai-target-only", action="store_true",
+                    help="run only (d): SGLangLM(backend='openai') vs dspy.LM on a generic "
+                         "OpenAI endpoint")
     args = ap.parse_args()
     data = load(args.n)
+    if args.openai_target_only:
+        return openai_target(data, args)
     with sgl.Runtime(max_total_tokens=32768) as rt, \
             sgl.Runtime(max_total_tokens=32768, disable_radix_cache=True) as plain:
         common = {"cache": False, "temperature": 0.0, "max_tokens": 64}
@@ -107,6 +147,26 @@ def main() -> None:
           f"{args.threads} threads, default model")
     print_table(["config", "programs", "seconds", "programs/s", "LM calls", "tokens decoded",
                  "parse failures", "accuracy", "cache hit rate"], rows)
+
+
+
+def openai_target(data, args) -> None:
+    """(d) Our /v1 with the radix cache off acting as "some OpenAI server"."""
+    with sgl.Runtime(max_total_tokens=32768, disable_radix_cache=True) as plain:
+        common = {"cache": False, "temperature": 0.0, "max_tokens": 128}
+        rows = [
+            run_cot("SGLangLM(backend='openai')", SGLangLM(
+                "default", base_url=plain.base_url + "/v1", backend="openai", **common),
+                data, args.threads, plain.base_url),
+            run_cot("dspy.LM('openai/default')", dspy.LM(
+                "openai/default", api_base=plain.base_url + "/v1", api_key="EMPTY",
+                num_retries=0, **common), data, args.threads, plain.base_url),
+        ]
+    print(f"(d) ChainOfThought(question, choices -> reasoning, answer: Literal, confidence: "
+          f"float), MMLU, {sum(len(t) for _, t in data)} questions, {args.threads} threads, "
+          "our /v1 with the radix cache off as a generic OpenAI endpoint")
+    print_table(["LM", "questions", "requests / question", "prompt tokens / question",
+                 "parse failures"], rows)
 
 
 if __name__ == "__main__":

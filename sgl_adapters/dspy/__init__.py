@@ -27,6 +27,7 @@ import dspy
 
 from sgl_adapters.dspy.engine import AsyncSGLangEngine, SGLangEngine
 from sgl_adapters.dspy.lowering import copied_from
+from sgl_adapters.dspy.openai_target import AsyncOpenAITargetEngine, OpenAITargetEngine
 
 
 class SGLangLM(dspy.LM):
@@ -39,17 +40,36 @@ class SGLangLM(dspy.LM):
         temperature, max_tokens, cache, num_retries: as for ``dspy.LM``.
         lowering: lower ChatAdapter calls into gen/select programs (default True).
         timeout: seconds per HTTP request.
+        backend: "sglang" (the bundled server; ``base_url`` is its root) or "openai" (any
+            OpenAI-compatible endpoint; ``base_url`` ends in ``/v1``): ChatAdapter calls are
+            answered by one call holding every output field, checked field by field, with one
+            retry (:mod:`~sgl_adapters.dspy.openai_target`).
+        structured_outputs: with backend "openai", whether the endpoint honours
+            ``response_format`` json_schema (OpenAI, vLLM, llama.cpp, ours do).
         **kwargs: default request fields (top_p, top_k, seed, stop, ...).
     """
 
     def __init__(self, model: str = "default", base_url: str = "http://127.0.0.1:30000",
                  api_key: str | None = None, temperature: float | None = None,
                  max_tokens: int | None = None, cache: bool = True, num_retries: int = 3,
-                 lowering: bool = True, timeout: float = 600.0, **kwargs: Any):
+                 lowering: bool = True, timeout: float = 600.0, backend: str = "sglang",
+                 structured_outputs: bool = True, **kwargs: Any):
         # dspy's load_state passes back the engines it restored from dump_state
-        engine = kwargs.pop("engine", None) or SGLangEngine(
-            base_url, api_key=api_key, model=model, lowering=lowering, timeout=timeout)
-        async_engine = kwargs.pop("async_engine", None) or AsyncSGLangEngine(engine)
+        engine = kwargs.pop("engine", None)
+        async_engine = kwargs.pop("async_engine", None)
+        if engine is None and backend == "openai":
+            engine = OpenAITargetEngine(base_url, model=model, api_key=api_key,
+                                        structured_outputs=structured_outputs,
+                                        timeout=timeout)
+        elif engine is None and backend == "sglang":
+            engine = SGLangEngine(base_url, api_key=api_key, model=model, lowering=lowering,
+                                  timeout=timeout)
+        elif engine is None:
+            raise ValueError(f"backend must be 'sglang' or 'openai', got {backend!r}")
+        if async_engine is None:
+            async_engine = (AsyncOpenAITargetEngine(engine)
+                            if isinstance(engine, OpenAITargetEngine)
+                            else AsyncSGLangEngine(engine))
         super().__init__(model, engine=engine, async_engine=async_engine,
                          temperature=temperature, max_tokens=max_tokens, cache=cache,
                          num_retries=num_retries, **kwargs)
@@ -59,4 +79,5 @@ class SGLangLM(dspy.LM):
         return self.engine
 
 
-__all__ = ["AsyncSGLangEngine", "SGLangEngine", "SGLangLM", "copied_from"]
+__all__ = ["AsyncOpenAITargetEngine", "AsyncSGLangEngine", "OpenAITargetEngine",
+           "SGLangEngine", "SGLangLM", "copied_from"]

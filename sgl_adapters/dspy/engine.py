@@ -180,7 +180,7 @@ class SGLangEngine:
 
     # -- OpenAI route --------------------------------------------------------------------------
     def _chat(self, request) -> Response:
-        kw = _openai_kwargs(request, self.model)
+        kw = openai_kwargs(request, self.model)
         turns = [{"role": m.role, "content": m.text or ""} for m in request.messages]
         system = _text_of(request.system)
         messages = ([{"role": "system", "content": system}] if system else []) + turns
@@ -194,20 +194,26 @@ class SGLangEngine:
             raise (InvalidRequestError if exc.status_code < 500 else ServerError)(exc.message) from exc
         except self._openai.APIError as exc:
             raise TransportError(str(exc)) from exc
-        choice = resp.choices[0]
-        parts: list[Any] = [TextPart(choice.message.content)] if choice.message.content else []
-        for call in choice.message.tool_calls or []:
-            parts.append(ToolCallPart(id=call.id, name=call.function.name,
-                                      input=json.loads(call.function.arguments or "{}")))
-        if not parts:
-            parts = [TextPart("")]
-        u = resp.usage
-        cached = getattr(getattr(u, "prompt_tokens_details", None), "cached_tokens", None)
-        usage = Usage(input_tokens=u.prompt_tokens, output_tokens=u.completion_tokens,
-                      cache_read_tokens=cached)
-        return Response(id=resp.id, model=self.model, message=Message.assistant(parts),
-                        finish_reason=_FINISH.get(choice.finish_reason, "stop"), usage=usage,
-                        logprobs=_logprobs(choice.logprobs))
+        return chat_response(resp, self.model)
+
+
+def chat_response(resp: Any, model: str) -> Response:
+    """An OpenAI chat completion as a dspy.lm15 Response (text, tool calls, usage with cached
+    tokens, logprobs)."""
+    choice = resp.choices[0]
+    parts: list[Any] = [TextPart(choice.message.content)] if choice.message.content else []
+    for call in choice.message.tool_calls or []:
+        parts.append(ToolCallPart(id=call.id, name=call.function.name,
+                                  input=json.loads(call.function.arguments or "{}")))
+    if not parts:
+        parts = [TextPart("")]
+    u = resp.usage
+    cached = getattr(getattr(u, "prompt_tokens_details", None), "cached_tokens", None)
+    usage = Usage(input_tokens=u.prompt_tokens if u else 0,
+                  output_tokens=u.completion_tokens if u else 0, cache_read_tokens=cached)
+    return Response(id=resp.id, model=model, message=Message.assistant(parts),
+                    finish_reason=_FINISH.get(choice.finish_reason, "stop"), usage=usage,
+                    logprobs=_logprobs(choice.logprobs))
 
 
 def _logprobs(logprobs: Any) -> tuple | None:
@@ -219,7 +225,7 @@ def _logprobs(logprobs: Any) -> tuple | None:
         for t in logprobs.content)
 
 
-def _openai_kwargs(request, model: str) -> dict[str, Any]:
+def openai_kwargs(request, model: str) -> dict[str, Any]:
     cfg = request.config
     kw: dict[str, Any] = {"model": model}
     for name in ("max_tokens", "temperature", "top_p", "seed", "frequency_penalty",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import uuid
 from typing import Literal
 
 import pydantic
@@ -290,8 +291,9 @@ def test_best_of_n_rollouts_are_distinct_requests(default_server):
 
     before = _finished(default_server.url)
     with dspy.context(lm=lm, adapter=None):
+        # a question of its own: DSPy's on-disk cache outlives this test run
         dspy.BestOfN(dspy.Predict("question -> answer"), N=3, reward_fn=reward,
-                     threshold=1.0)(question="Name a color.")
+                     threshold=1.0)(question=f"Name a color ({uuid.uuid4().hex[:8]}).")
     assert len(answers) == 3
     assert _finished(default_server.url) - before >= 3
     assert len(set(answers)) >= 2  # sampled, not one cached answer three times
@@ -337,3 +339,65 @@ def test_bootstrap_few_shot_candidates_share_their_demo_prefixes(default_server)
     cached = after["cached_prompt_tokens"] - before["cached_prompt_tokens"]
     print(f"compiled-program hit rate {cached / prompt:.3f} ({cached}/{prompt} tokens)")
     assert cached / prompt > 0.5, (cached, prompt)
+
+
+class Assess(dspy.Signature):
+    """Answer the question about the text."""
+
+    text: str = dspy.InputField()
+    question: str = dspy.InputField()
+    answer: Literal["yes", "no"] = dspy.OutputField()
+    confidence: float = dspy.OutputField()
+
+
+def test_openai_backend_one_call_per_module_fields_checked(default_server):
+    """backend="openai" against our /v1 as a generic endpoint: a 3-output-field ChainOfThought
+    is one call per module (the json_schema response format makes every field valid), no
+    DSPy fallback call, and the usage is accounted."""
+    lm = SGLangLM("default", base_url=default_server.url + "/v1", backend="openai",
+                  cache=False, temperature=0, max_tokens=96)
+    program = dspy.ChainOfThought(Assess)
+    texts = ["The shop opens at nine and closes at five.", "Paris is the capital of France."]
+    before = _finished(default_server.url)
+    with dspy.context(lm=lm, track_usage=True):
+        preds = [program(text=t, question="Is it about a city?") for t in texts]
+    assert _finished(default_server.url) - before == 2
+    assert len(lm.history) == 2  # no JSONAdapter fallback
+    for pred in preds:
+        assert pred.answer in ("yes", "no") and isinstance(pred.confidence, float)
+        assert isinstance(pred.reasoning, str)
+    usage = list(preds[-1].get_lm_usage().values())[0]
+    assert usage["prompt_tokens"] > 0 and usage["completion_tokens"] > 0
+
+
+def test_field_by_field_matching_of_one_answer():
+    """The checks an OpenAI-target answer goes through (structured_outputs=False parses
+    ChatAdapter markers; both paths validate each field)."""
+    from sgl_adapters.dspy.lowering import OutputField
+    from sgl_adapters.dspy.openai_target import (
+        FieldMismatch,
+        check_field,
+        match_markers,
+        output_schema,
+    )
+
+    fields = [OutputField("reasoning"), OutputField("answer", "select", ("yes", "no")),
+              OutputField("confidence", "float"),
+              OutputField("city", "json", schema={"type": "object", "required": ["name"]}),
+              OutputField("quote", "span", texts=("Paris is the capital",))]
+    text = ("[[ ## reasoning ## ]]\nbecause\n\n[[ ## answer ## ]]\nyes\n\n[[ ## confidence ## ]]"
+            "\n0.9\n\n[[ ## city ## ]]\n{\"name\": \"Paris\"}\n\n[[ ## quote ## ]]\nthe capital"
+            "\n\n[[ ## completed ## ]]")
+    values = match_markers(text, fields)
+    assert [check_field(f, values[f.name]) for f in fields] == [
+        "because", "yes", "0.9", '{"name": "Paris"}', "the capital"]
+    schema = output_schema(fields)
+    assert list(schema["properties"]) == ["reasoning", "answer", "confidence", "city", "quote"]
+    assert schema["properties"]["answer"] == {"type": "string", "enum": ["yes", "no"]}
+    assert "pattern" in schema["properties"]["confidence"]
+    for f, bad in [(fields[1], "maybe"), (fields[2], "high"), (fields[3], "{}"),
+                   (fields[4], "London")]:
+        with pytest.raises(FieldMismatch, match=f.name):
+            check_field(f, bad)
+    with pytest.raises(FieldMismatch, match="confidence"):
+        match_markers(text.replace("[[ ## confidence ## ]]", ""), fields)
