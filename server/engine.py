@@ -129,6 +129,11 @@ class Engine:
         host_bytes = cc.host_tier_bytes(mc.device.startswith("cuda"))
         if cc.disable_radix_cache or (host_bytes == 0 and cc.cache_dir is None):
             return None
+        if self.tp is not None:  # each rank holds its own heads' KV: pages would be partial
+            if cc.hicache_size or cc.cache_dir:
+                raise ConfigError("--hicache-size and --cache-dir are not supported with "
+                                  "tensor parallelism")
+            return None
         pool = self.kv_pool
         shape = (len(pool.k_buffers), 2, PAGE_TOKENS, *pool.k_buffers[0].shape[1:])
         disk = None
