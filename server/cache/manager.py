@@ -277,6 +277,8 @@ class CacheManager:
         key = req.key_ids[:self.max_prefix(req)]
         names = page_hashes(key, req.namespace, len(key) // PAGE_TOKENS)
         cached = self.tree.prefix_len(key, req.namespace)[0] // PAGE_TOKENS
+        # finished read-aheads of requests that never asked (aborted while waiting) go
+        self._prefetching = {r: f for r, f in self._prefetching.items() if not f.done()}
         future = self.tiers.prefetch(names[cached:])
         if future is not None:
             self._prefetching[req.rid] = future
@@ -351,7 +353,7 @@ class CacheManager:
         """Write every cached prefix's full pages to the disk tier and wait (shutdown)."""
         if self.tiers is None or self.tiers.disk is None:
             return
-        for node in list(self.tree._nodes()):
+        for node in self.tree.nodes():
             self._spill(node)
         self.tiers.save_all()
 

@@ -254,6 +254,10 @@ class RadixCache:
         slots = torch.cat(values[::-1]) if values else _EMPTY
         return self._namespace_of.get(id(node)), key, slots
 
+    def nodes(self) -> list[TreeNode]:
+        """Every node but the roots."""
+        return list(self._nodes())
+
     def leaves(self) -> list[TreeNode]:
         """Every node without children (the ends of all cached sequences)."""
         return [n for n in self._nodes() if not n.children]
