@@ -121,10 +121,12 @@ class CacheManager:
 
     @property
     def capacity(self) -> int:
+        """Usable KV slots of the pool (tokens)."""
         return self.pool.capacity
 
     @property
     def free_rows(self) -> int:
+        """Request-table rows not held by a request."""
         return self.req_table.num_free_rows
 
     @property
@@ -345,7 +347,6 @@ class CacheManager:
             v[idx] = kv[layer, 1].to(v.device, v.dtype)
         result = self.tree.insert(key[:end], torch.cat((hit.slots, slots)), namespace)
         assert result.existing_len == hit.length, "the matched path changed during a load"
-        self.tiers.loaded += len(pages)
         self.stats.loaded_tokens += end - hit.length
         return self.tree.match_prefix(key, namespace)
 

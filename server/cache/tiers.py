@@ -209,6 +209,8 @@ class HostTier:
         return len(self._pages)
 
     def put(self, name: str, page: torch.Tensor) -> None:
+        """Keep ``page`` ([layers, 2, PAGE_TOKENS, kv_heads, head_dim]) as most recent; pages
+        over the byte bound go to ``spill`` oldest first (or are dropped without one)."""
         size = page.numel() * page.element_size()
         if size > self.max_bytes:
             if self.spill is not None:
@@ -230,6 +232,7 @@ class HostTier:
                 self.spill.put(old, old_page)
 
     def get(self, name: str) -> torch.Tensor | None:
+        """The page (now most recent), or None."""
         with self._lock:
             page = self._pages.get(name)
             if page is not None:
@@ -243,14 +246,14 @@ class KVTiers:
     pages a request will need are read ahead into the host tier (:meth:`prefetch`, on a
     reader thread), so admission never waits for the disk.
 
-    Counters (pages): ``saved`` (put into a tier on eviction or persist), ``loaded`` (copied
-    back into the pool, counted by the cache manager).
+    Counter: ``saved`` pages (put into a tier on eviction or persist); tokens loaded back are
+    the cache manager's ``stats.loaded_tokens``.
     """
 
     def __init__(self, host: HostTier, disk: DiskTier | None = None):
         self.host, self.disk = host, disk
         host.spill = disk
-        self.saved = self.loaded = 0
+        self.saved = 0
         self._reader = None
         if disk is not None:
             from concurrent.futures import ThreadPoolExecutor

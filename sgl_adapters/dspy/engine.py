@@ -270,9 +270,12 @@ def _lm15_error(error: BaseException) -> Exception:
 
 
 class AsyncSGLangEngine:
-    """The async twin: the sync engine's calls off the event loop (``asyncio.to_thread``)."""
+    """The async twin: the sync engine's calls off the event loop (``asyncio.to_thread``).
+    Subclasses name their sync engine in ``sync_class`` (used by ``load_state``)."""
 
-    def __init__(self, sync: SGLangEngine):
+    sync_class: type = SGLangEngine
+
+    def __init__(self, sync: Any):
         self.sync = sync
 
     def dump_state(self) -> dict[str, Any]:
@@ -280,7 +283,7 @@ class AsyncSGLangEngine:
 
     @classmethod
     def load_state(cls, state: dict[str, Any]) -> AsyncSGLangEngine:
-        return cls(SGLangEngine.load_state(state))
+        return cls(cls.sync_class.load_state(state))
 
     async def complete(self, request) -> Response:
         return await asyncio.to_thread(self.sync.complete, request)

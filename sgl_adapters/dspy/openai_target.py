@@ -49,7 +49,13 @@ from dspy.lm15 import (
     response_to_events,
 )
 
-from sgl_adapters.dspy.engine import _text_of, _turns, chat_response, openai_kwargs
+from sgl_adapters.dspy.engine import (
+    AsyncSGLangEngine,
+    _text_of,
+    _turns,
+    chat_response,
+    openai_kwargs,
+)
 from sgl_adapters.dspy.lowering import OutputField, plan_fields
 
 
@@ -137,6 +143,7 @@ def match_markers(text: str, fields: list[OutputField]) -> dict[str, Any]:
 
 
 def chat_adapter_text(fields: list[OutputField], values: dict[str, str]) -> str:
+    """The answer as ChatAdapter writes it: each field after its marker, then the end marker."""
     return "".join(f"[[ ## {f.name} ## ]]\n{values[f.name]}\n\n" for f in fields) + \
         "[[ ## completed ## ]]"
 
@@ -282,29 +289,7 @@ def _tiktoken_count(model: str, prompt: str, completion: str) -> tuple[int, int]
     return len(enc.encode(prompt)), len(enc.encode(completion))
 
 
-class AsyncOpenAITargetEngine:
-    """The async twin: the sync engine's calls off the event loop."""
+class AsyncOpenAITargetEngine(AsyncSGLangEngine):
+    """The async twin of :class:`OpenAITargetEngine` (the sync calls off the event loop)."""
 
-    def __init__(self, sync: OpenAITargetEngine):
-        self.sync = sync
-
-    def dump_state(self) -> dict[str, Any]:
-        return self.sync.dump_state()
-
-    @classmethod
-    def load_state(cls, state: dict[str, Any]) -> AsyncOpenAITargetEngine:
-        return cls(OpenAITargetEngine.load_state(state))
-
-    async def complete(self, request) -> Response:
-        import asyncio
-
-        return await asyncio.to_thread(self.sync.complete, request)
-
-    async def stream(self, request):
-        for event in response_to_events(await self.complete(request)):
-            yield event
-
-    async def aclose(self) -> None:
-        import asyncio
-
-        await asyncio.to_thread(self.sync.close)
+    sync_class = OpenAITargetEngine
