@@ -87,6 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
     a("--max-running-requests", type=int, default=128, help="max requests decoding at once")
     a("--max-queued-requests", type=int, default=1024, help="requests in flight beyond which new "
       "ones get 503 with Retry-After")
+    a("--responses-store-size", type=int, default=1024, help="finished /v1/responses kept in "
+      "memory for previous_response_id (least recently used evicted; 0 = none)")
+    a("--incremental-streaming-output", action="store_true", help="native /generate stream "
+      "chunks carry only the new text, output_ids and output logprobs (SGLang's flag); "
+      "default: every chunk is the whole response so far")
     a("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests may drain "
       "after SIGTERM")
     a("--parent-pid", type=int, default=None, help="drain and exit once the process with this "
@@ -134,7 +139,9 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, HTTPConfi
     http = HTTPConfig(host=args.host, port=args.port, api_key=args.api_key,
                       max_queued_requests=args.max_queued_requests,
                       shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
-                      parent_pid=args.parent_pid, reasoning_parser=args.reasoning_parser)
+                      parent_pid=args.parent_pid, reasoning_parser=args.reasoning_parser,
+                      responses_store_size=args.responses_store_size,
+                      incremental_streaming_output=args.incremental_streaming_output)
     return engine, http
 
 

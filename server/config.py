@@ -352,6 +352,10 @@ class HTTPConfig:
             launcher, e.g. ``sgl.Runtime`` or a test, makes its server die with it).
         reasoning_parser: "auto" (from the chat template, when unambiguous), "none", "qwen3"
             or "deepseek-r1" (:mod:`server.reasoning`).
+        responses_store_size: finished ``/v1/responses`` kept in memory for
+            ``previous_response_id`` (least recently used evicted; 0 stores none).
+        incremental_streaming_output: native ``/generate`` stream chunks carry only what is
+            new (SGLang's flag of the same name); default: each chunk is cumulative.
     """
 
     host: str = "127.0.0.1"
@@ -364,8 +368,12 @@ class HTTPConfig:
     log_level: str = "info"
     parent_pid: int | None = None
     reasoning_parser: str = "auto"
+    responses_store_size: int = 1024
+    incremental_streaming_output: bool = False
 
     def __post_init__(self) -> None:
+        if self.responses_store_size < 0:
+            raise ConfigError("responses_store_size must be >= 0")
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
         if self.max_queued_requests < 1:

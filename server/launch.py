@@ -77,6 +77,8 @@ async def serve(engine_config: EngineConfig, http: HTTPConfig) -> int:
         app = create_app(manager, model_name=engine_config.model.served_model_name
                          or ready.model_name, model_path=model_path, api_key=http.api_key,
                          max_body_bytes=http.max_body_bytes,
+                         responses_store_size=http.responses_store_size,
+                         incremental_streaming_output=http.incremental_streaming_output,
                          server_args={"schedule_policy": engine_config.scheduler.schedule_policy,
                                       "disable_radix_cache":
                                           engine_config.cache.disable_radix_cache,

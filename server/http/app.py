@@ -14,9 +14,10 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from server.http import native_routes, openai_routes, ops_routes
+from server.http import native_routes, openai_routes, ops_routes, responses_routes
 from server.http.auth import APIKeyMiddleware
 from server.http.responses import api_error_response, error_response
+from server.http.responses_items import ResponseStore
 from server.http.tokenizer_manager import ApiError, TokenizerManager
 
 
@@ -50,6 +51,7 @@ class BodySizeLimit:
 
 def create_app(manager: TokenizerManager, *, model_name: str, model_path: str | None,
                api_key: str | None = None, max_body_bytes: int = 8 << 20,
+               responses_store_size: int = 1024, incremental_streaming_output: bool = False,
                server_args: dict[str, Any] | None = None) -> FastAPI:
     """Build the app around a TokenizerManager (whose receive loop starts with the app)."""
 
@@ -65,6 +67,8 @@ def create_app(manager: TokenizerManager, *, model_name: str, model_path: str | 
     app.state.model_path = model_path
     app.state.server_args = server_args or {}
     app.state.metrics = ops_routes.ServerMetrics()
+    app.state.response_store = ResponseStore(responses_store_size)
+    app.state.incremental_streaming_output = incremental_streaming_output
     manager.observers.append(app.state.metrics.observe)
 
     @app.exception_handler(ApiError)
@@ -86,7 +90,7 @@ def create_app(manager: TokenizerManager, *, model_name: str, model_path: str | 
         if exc.status_code == 404:  # name the route: a bare "Not Found" reads as a missing model
             return error_response(404, f"route {request.method} {request.url.path} is not "
                                   "served by this server (OpenAI routes: /v1/models, "
-                                  "/v1/completions, /v1/chat/completions)",
+                                  "/v1/completions, /v1/chat/completions, /v1/responses)",
                                   "invalid_request_error")
         if exc.status_code == 405:
             return error_response(405, f"{request.method} is not allowed on "
@@ -95,6 +99,7 @@ def create_app(manager: TokenizerManager, *, model_name: str, model_path: str | 
                               "invalid_request_error" if exc.status_code < 500 else "server_error")
 
     app.include_router(openai_routes.router)
+    app.include_router(responses_routes.router)
     app.include_router(native_routes.router)
     app.include_router(ops_routes.router)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)

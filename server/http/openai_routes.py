@@ -3,9 +3,11 @@
 Both completion routes support n, stop, seed, temperature, top_p, max_tokens (chat also
 max_completion_tokens), presence/frequency penalties, logit_bias, logprobs, streaming (SSE, with
 a final usage chunk when ``stream_options.include_usage``), ``user``, and the extensions top_k,
-min_p, repetition_penalty, stop_token_ids, ignore_eos and min_tokens. Usage always reports
-``prompt_tokens_details.cached_tokens``. ``response_format`` (json_object, json_schema)
-and the ``regex`` / ``json_schema`` extensions are enforced by grammar-constrained decoding;
+min_p, repetition_penalty, stop_token_ids, ignore_eos, min_tokens, skip_special_tokens and
+no_stop_trim (completions also take SGLang's ``max_new_tokens`` when ``max_tokens`` is
+absent). Usage always reports ``prompt_tokens_details.cached_tokens``. ``response_format``
+(json_object, json_schema) and the ``regex`` / ``json_schema`` / ``ebnf`` extensions are
+enforced by grammar-constrained decoding;
 ``tools`` with ``tool_choice`` none/auto/required/named are handled in :mod:`server.http.tools`.
 On a reasoning model (``--reasoning-parser``), chat messages and stream deltas carry the
 thinking as ``reasoning_content`` and the answer as ``content`` (constraints and tool calls
@@ -33,6 +35,7 @@ from server.http.responses import (
     openai_finish_reason,
     sse,
     start_streams,
+    token_logprobs,
     usage,
 )
 from server.http.schemas import ChatCompletionRequest, CompletionRequest, _OpenAISampling
@@ -173,15 +176,7 @@ def _usage(finals) -> dict[str, Any]:
 
 # ---------------------------------------------------------------- /v1/chat/completions
 def _chat_logprobs(manager: TokenizerManager, outs: list[P.ReqOutput]) -> dict[str, Any]:
-    content = []
-    tops = [top for o in outs for top in o.output_top_logprobs]
-    for k, (lp, t) in enumerate(p for o in outs for p in o.output_token_logprobs):
-        tok = manager.decode([t])
-        content.append({"token": tok, "logprob": lp, "bytes": list(tok.encode()),
-                        "top_logprobs": [{"token": manager.decode([tt]), "logprob": tlp,
-                                          "bytes": list(manager.decode([tt]).encode())}
-                                         for tlp, tt in (tops[k] if k < len(tops) else [])]})
-    return {"content": content}
+    return {"content": token_logprobs(manager, outs)}
 
 
 @router.post("/v1/chat/completions")

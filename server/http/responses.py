@@ -179,6 +179,22 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
+def token_logprobs(manager: TokenizerManager, outs: Sequence[P.ReqOutput]
+                   ) -> list[dict[str, Any]]:
+    """Chat-style logprob entries ``{"token", "logprob", "bytes", "top_logprobs"}`` of the
+    outputs' generated tokens (chat ``logprobs.content`` and Responses ``output_text.logprobs``
+    share this shape)."""
+    content = []
+    tops = [top for o in outs for top in o.output_top_logprobs]
+    for k, (lp, t) in enumerate(p for o in outs for p in o.output_token_logprobs):
+        tok = manager.decode([t])
+        content.append({"token": tok, "logprob": lp, "bytes": list(tok.encode()),
+                        "top_logprobs": [{"token": manager.decode([tt]), "logprob": tlp,
+                                          "bytes": list(manager.decode([tt]).encode())}
+                                         for tlp, tt in (tops[k] if k < len(tops) else [])]})
+    return content
+
+
 def openai_finish_reason(reason: dict[str, Any] | None) -> str | None:
     """"stop" (EOS, a stop string or id), "length", or "abort" (aborted by the server or
     the API); an internal error never gets here (it is an error response or event)."""

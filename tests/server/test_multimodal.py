@@ -96,3 +96,25 @@ def test_image_count_must_match_the_placeholders(llava_server):
         r = c.post("/generate", json={"text": "<image> and <image>",
                                       "image_data": [data_url(png(1))]})
         assert r.status_code == 400 and "2 image placeholders" in r.text
+
+
+def test_responses_api_input_image_equals_chat(llava_server):
+    """/v1/responses ``input_image`` parts go through the chat path: same reply and usage."""
+    image = data_url(png(12))
+    with llava_server.client() as c:
+        want = chat(c, image).json()
+        r = c.post("/v1/responses", json={
+            "input": [{"role": "user", "content": [
+                {"type": "input_image", "image_url": image},
+                {"type": "input_text", "text": "What is in the image?"}]}],
+            "max_output_tokens": 3, "temperature": 0})
+        assert r.status_code == 200, r.text
+        got = r.json()
+        assert got["output"][-1]["content"][0]["text"] == \
+            want["choices"][0]["message"]["content"]
+        assert got["usage"]["input_tokens"] == want["usage"]["prompt_tokens"]
+        assert got["usage"]["input_tokens_details"]["cached_tokens"] == \
+            want["usage"]["prompt_tokens"] - 1
+        bad = c.post("/v1/responses", json={"input": [{"role": "user", "content": [
+            {"type": "input_image", "file_id": "file-1"}]}]})
+        assert bad.status_code == 400 and "file ids" in bad.json()["error"]["message"]

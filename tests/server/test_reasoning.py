@@ -180,3 +180,23 @@ def test_grammar_applies_after_the_reasoning(server):
         "text": prompt, "separate_reasoning": True,
         "sampling_params": {"max_new_tokens": 6, "temperature": 0}}).json()
     assert r["text"] == "" and len(r["reasoning_text"]) > 0
+
+
+def test_responses_api_returns_reasoning_items(server):
+    """/v1/responses: the thinking is a ``reasoning`` item before the message, streamed as
+    reasoning_text deltas; the answer alone is the output text."""
+    rt, tok = server
+    client = OpenAI(base_url=rt.base_url + "/v1", api_key="none")
+    think = str(tok.convert_tokens_to_ids("<think>"))
+    kw = dict(model="m", input="Is water wet?", max_output_tokens=4, temperature=0,
+              extra_body={"logit_bias": {think: 100}})
+    # steered into a think block that the token limit cuts (as the chat test above)
+    r = client.responses.create(**kw)
+    assert [o.type for o in r.output] == ["reasoning", "message"]
+    assert r.output[0].content[0].text == "<think>" * 3 and r.output_text == ""
+    assert r.status == "incomplete" and r.usage.output_tokens_details.reasoning_tokens == 3
+    events = list(client.responses.create(stream=True, **kw))
+    final = events[-1].response
+    assert [o.type for o in final.output] == ["reasoning", "message"]
+    streamed = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert streamed == "<think>" * 3
