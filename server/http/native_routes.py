@@ -1,11 +1,20 @@
-"""SGLang-style native routes: /generate (text or input_ids, single or batch, streaming with
-cumulative text), /flush_cache, /abort_request. Field names match SGLang's so its clients work.
+"""SGLang-style native routes: /generate (text or input_ids, single or batch, streaming),
+/flush_cache, /abort_request. Field names and shapes follow SGLang 0.5's
+(``sglang/srt/managers/tokenizer_manager.py``) so its clients work unmodified.
 
 Response of /generate: ``{"text", "output_ids", "meta_info": {"id", "prompt_tokens",
 "completion_tokens", "cached_tokens", "finish_reason": {"type": stop|length|abort, ...},
 "input_token_logprobs", "output_token_logprobs", "input_top_logprobs", "output_top_logprobs"}}``
-(logprob entries are [logprob, token_id] or, with return_text_in_logprobs, [logprob, token_id,
-text]). ``sampling_params.max_new_tokens = 0`` is a prefill-only request (a cache hint).
+(logprob entries are ``[logprob, token_id, text]``, text null unless
+``return_text_in_logprobs``; the prompt's first entry has a null logprob).
+``sampling_params.max_new_tokens = 0`` is a prefill-only request (a cache hint).
+
+Streaming (SSE, ``data: [DONE]`` last) as SGLang 0.5 streams: by default every chunk is the
+whole response so far (cumulative ``text``, ``output_ids`` and output logprobs, running
+``completion_tokens``); with the server flag ``--incremental-streaming-output`` (SGLang's name)
+each chunk carries only what is new: the text delta, the new ``output_ids`` and the new entries
+of ``output_token_logprobs`` / ``output_top_logprobs`` (prompt logprobs stay whole, as SGLang
+sends them).
 With ``separate_reasoning`` on a reasoning model (:mod:`server.reasoning`), "text" is the answer
 and "reasoning_text" the thinking (null when there was none), and a constraint in the
 sampling params applies to the answer only.
@@ -48,6 +57,8 @@ class _Accumulator:
         self.lists: dict[str, list] = {"output_token_logprobs": [], "output_top_logprobs": [],
                                        "input_token_logprobs": [], "input_top_logprobs": []}
         self.last: P.ReqOutput | None = None
+        self.sent_ids = 0  # incremental streaming: output entries already sent
+        self.sent_text = ""
 
     def add(self, out: P.ReqOutput) -> None:
         self.ids += out.new_token_ids
@@ -56,9 +67,23 @@ class _Accumulator:
         self.last = out
 
     def _entry(self, lp, tok):
-        return [lp, tok, self.manager.decode([tok])] if self.with_text else [lp, tok]
+        return [lp, tok, self.manager.decode([tok]) if self.with_text else None]
 
-    def body(self, return_logprob: bool) -> dict[str, Any]:
+    def body(self, return_logprob: bool, incremental: bool = False) -> dict[str, Any]:
+        """The response so far; with ``incremental``, only what the last call did not send."""
+        data = self._whole(return_logprob)
+        if incremental:
+            start, self.sent_ids = self.sent_ids, len(self.ids)
+            data["output_ids"] = data["output_ids"][start:]
+            for name in ("output_token_logprobs", "output_top_logprobs"):
+                if name in data["meta_info"]:
+                    data["meta_info"][name] = data["meta_info"][name][start:]
+            text = data["text"]
+            data["text"] = text[len(self.sent_text):] if text.startswith(self.sent_text) else ""
+            self.sent_text = text if text.startswith(self.sent_text) else self.sent_text
+        return data
+
+    def _whole(self, return_logprob: bool) -> dict[str, Any]:
         out = self.last
         meta: dict[str, Any] = {"id": out.rid, "prompt_tokens": out.prompt_tokens,
                                 "completion_tokens": out.completion_tokens,
@@ -84,11 +109,12 @@ async def generate(request: Request, body: GenerateRequest):
             for inp in inputs]
     if body.stream:
         streams = await start_streams(request, streams)
+        incremental = request.app.state.incremental_streaming_output
 
         async def events():
             async for i, out in merge(streams):
                 accs[i].add(out)
-                data = accs[i].body(body.return_logprob)
+                data = accs[i].body(body.return_logprob, incremental)
                 if not single:
                     data["index"] = i
                 yield sse(data)

@@ -30,7 +30,7 @@ def test_generate_text_and_input_ids_agree(c):
                                     "logprob_start_len": 0,
                                     "sampling_params": {"max_new_tokens": 0}}).json()
     assert ids["output_ids"] == [] and ids["meta_info"]["finish_reason"]["type"] == "length"
-    prompt = [t for _, t in ids["meta_info"]["input_token_logprobs"]]
+    prompt = [t for _, t, _ in ids["meta_info"]["input_token_logprobs"]]
     assert len(prompt) == ids["meta_info"]["prompt_tokens"] > 2
     b = c.post("/generate", json={"input_ids": prompt, "sampling_params": sp}).json()
     assert b["output_ids"] == a["output_ids"] and b["text"] == a["text"]
@@ -80,6 +80,74 @@ def test_stream_is_cumulative_and_matches_non_stream(c):
     assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))  # never taken back
     full = c.post("/generate", json={**body, "stream": False}).json()
     assert texts[-1] == full["text"] and events[-2]["output_ids"] == full["output_ids"]
+
+
+STREAM_LP = {"text": "shapes of a stream", "stream": True, "return_logprob": True,
+             "logprob_start_len": 0, "top_logprobs_num": 2,
+             "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}}
+
+
+def _check_entry(e, with_text=False):
+    """SGLang 0.5's logprob entry: [logprob, token_id, text or null]."""
+    assert isinstance(e, list) and len(e) == 3 and isinstance(e[1], int)
+    assert (isinstance(e[2], str) if with_text else e[2] is None)
+
+
+def test_stream_chunks_follow_sglang_cumulative_format(c):
+    """SGLang 0.5's default stream: every chunk holds the whole response so far."""
+    with c.stream("POST", "/generate", json=STREAM_LP) as resp:
+        events = sse_events(resp)[:-1]
+    full = c.post("/generate", json={**STREAM_LP, "stream": False}).json()
+    assert len(events) > 1
+    for e in events:
+        assert set(e) == {"text", "output_ids", "meta_info"}
+        meta = e["meta_info"]
+        assert {"id", "prompt_tokens", "completion_tokens", "cached_tokens", "finish_reason",
+                "input_token_logprobs", "output_token_logprobs", "input_top_logprobs",
+                "output_top_logprobs"} <= set(meta)
+        n = len(e["output_ids"])
+        assert meta["completion_tokens"] == n == len(meta["output_token_logprobs"]) \
+            == len(meta["output_top_logprobs"])
+        assert [x[1] for x in meta["output_token_logprobs"]] == e["output_ids"]
+        for x in meta["output_token_logprobs"] + meta["input_token_logprobs"]:
+            _check_entry(x)
+        assert all(len(top) == 2 for top in meta["output_top_logprobs"])
+        assert meta["input_token_logprobs"][0][0] is None
+    assert all(a["finish_reason"] is None for a in (e["meta_info"] for e in events[:-1]))
+    last = events[-1]
+    assert last["text"] == full["text"] and last["output_ids"] == full["output_ids"]
+    assert last["meta_info"]["output_token_logprobs"] == full["meta_info"]["output_token_logprobs"]
+
+
+@pytest.fixture(scope="module")
+def incremental_server(make_tiny_model):
+    from tests.live_server import ServerProcess
+
+    path, _ = make_tiny_model("llama")
+    server = ServerProcess("--model", path, "--dtype", "float32", "--context-length", "512",
+                           "--max-total-tokens", "2048", "--incremental-streaming-output")
+    yield server
+    assert server.stop() == 0
+
+
+def test_incremental_streaming_output_sends_only_what_is_new(incremental_server):
+    """``--incremental-streaming-output``: chunks carry the deltas; joined, they are the
+    non-streamed response, and completion_tokens is the running count."""
+    with incremental_server.client() as c:
+        with c.stream("POST", "/generate", json=STREAM_LP) as resp:
+            events = sse_events(resp)[:-1]
+        full = c.post("/generate", json={**STREAM_LP, "stream": False}).json()
+    assert len(events) > 1
+    assert "".join(e["text"] for e in events) == full["text"]
+    assert [t for e in events for t in e["output_ids"]] == full["output_ids"]
+    for name in ("output_token_logprobs", "output_top_logprobs"):
+        assert [x for e in events for x in e["meta_info"][name]] == full["meta_info"][name]
+    running = 0
+    for e in events:
+        running += len(e["output_ids"])
+        assert e["meta_info"]["completion_tokens"] == running
+        assert len(e["meta_info"]["output_token_logprobs"]) == len(e["output_ids"])
+        assert e["meta_info"]["input_token_logprobs"] == full["meta_info"]["input_token_logprobs"]
 
 
 def test_info_routes(c, healthy):
