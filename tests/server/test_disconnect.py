@@ -88,3 +88,28 @@ def test_mass_disconnect_no_leak(server):
     m = info["metrics"]
     assert m["running_requests"] == 0 and m["waiting_requests"] == 0 and m["kv_usage"] == 0.0
     assert info["invariants_ok"]
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_responses_api_disconnect_aborts(server, stream):
+    """/v1/responses, streamed (typed events) or not: a disconnect aborts the request and
+    stores nothing."""
+    body = {"input": "Write a long story about a lighthouse.", "max_output_tokens": 400,
+            "temperature": 0, "ignore_eos": True, "stream": stream}
+    with server.client() as c:
+        aborts = c.get("/server_info").json()["metrics"]["aborts"]
+
+    async def go():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:
+            if stream:
+                async with c.stream("POST", "/v1/responses", json=body) as resp:
+                    async for line in resp.aiter_lines():
+                        if "response.output_text.delta" in line:
+                            break
+            else:
+                with pytest.raises(httpx.ReadTimeout):
+                    await c.post("/v1/responses", json=body, timeout=1.0)
+    asyncio.run(go())
+    info = wait_idle(server, timeout=30.0)
+    assert info["metrics"]["running_requests"] == 0 and info["metrics"]["kv_usage"] == 0.0, info
+    assert info["metrics"]["aborts"] == aborts + 1
