@@ -14,7 +14,9 @@ Outputs follow the native ``/generate`` response: ``{"text", "output_ids", "meta
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import threading
 import time
 import uuid
 from typing import Any, Iterator, Mapping, Sequence
@@ -120,6 +122,8 @@ class Engine:
         self._grammars: GrammarCompiler | None = None
         self.vision_spec = vision_spec(loaded.vision) if loaded.vision is not None else None
         self._image_processor = None
+        self._image_lock = threading.Lock()
+        self._image_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._model_path = loaded.path
         if self.runner.compiled:
             self._warm_up()
@@ -221,18 +225,21 @@ class Engine:
     def make_request(self, prompt: Prompt, params: SamplingParams,
                      logprobs: LogprobOptions = LogprobOptions(), rid: str | None = None,
                      cache_salt: str | None = None, reasoning: Any = None,
-                     images: Sequence[tuple[int, int, bytes]] = ()) -> Req:
+                     images: Sequence[tuple[int, int, bytes]] = (),
+                     pixels: Sequence[torch.Tensor] | None = None) -> Req:
         """Tokenize and wrap one prompt (str or token ids) as a scheduler request.
 
         ``cache_salt`` puts the request in its own radix-cache namespace: it shares cached KV
         only with requests of the same salt. ``reasoning`` (a
         :class:`server.protocol.ReasoningGate`) holds the grammar back while the model
         thinks. ``images``: (offset, radix key, encoded bytes) of each image of a prompt whose
-        image tokens are already expanded (:meth:`expand_images`). Raises GrammarError for a
+        image tokens are already expanded (:meth:`expand_images`); ``pixels``: their pixel
+        values when already computed (:meth:`preprocess_images_async`), else they are computed
+        here. Raises GrammarError for a
         constraint that does not compile, InvalidRequestError for images a model cannot
         take."""
         ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        image_inputs = self._image_inputs(ids, images) if images else ()
+        image_inputs = self._image_inputs(ids, images, pixels) if images else ()
         grammar = (self.grammars.matcher(params.grammar, sorted(self.eos_ids))
                    if params.grammar is not None else None)
         if grammar is not None and reasoning is not None:
@@ -257,21 +264,47 @@ class Engine:
             raise InvalidRequestError("image_data", str(exc)) from exc
         return ids, list(zip(offsets, keys, images))
 
-    def _image_inputs(self, ids: list[int], images: Sequence[tuple[int, int, bytes]]
-                      ) -> tuple[ImageInput, ...]:
+    def preprocess_images_async(self, images: Sequence[bytes]) -> concurrent.futures.Future:
+        """A future of the pixel values of ``images`` (encoded bytes, already checked), each
+        [1, 3, H, W] float32, computed by the checkpoint's image processor on a worker thread:
+        a large image takes ~0.3 s to decode and resize (4096x4096, measured), which must not
+        stall the scheduler loop. The future raises InvalidRequestError for a text-only model
+        or an image the processor cannot read."""
+        with self._image_lock:
+            if self._image_pool is None:
+                self._image_pool = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix="images")
+        return self._image_pool.submit(self.preprocess_images, list(images))
+
+    def preprocess_images(self, images: Sequence[bytes]) -> list[torch.Tensor]:
+        """Pixel values of each image (see :meth:`preprocess_images_async`), on this thread.
+        Raises InvalidRequestError."""
+        if self.vision_spec is None:
+            raise InvalidRequestError("image_data", "this model is text-only")
+        with self._image_lock:
+            if self._image_processor is None:
+                from server.model.vision import ImageProcessor
+
+                self._image_processor = ImageProcessor(self._model_path)
+        try:
+            return [self._image_processor(data) for data in images]
+        except Exception as exc:  # noqa: BLE001 - any decoder failure is the image's fault
+            raise InvalidRequestError("image_data", f"the image processor could not read an "
+                                      f"image: {type(exc).__name__}: {exc}") from exc
+
+    def _image_inputs(self, ids: list[int], images: Sequence[tuple[int, int, bytes]],
+                      pixels: Sequence[torch.Tensor] | None = None) -> tuple[ImageInput, ...]:
         spec = self.vision_spec
         if spec is None:
             raise InvalidRequestError("image_data", "this model is text-only")
-        if self._image_processor is None:
-            from server.model.vision import ImageProcessor
-
-            self._image_processor = ImageProcessor(self._model_path)
+        if pixels is None:
+            pixels = self.preprocess_images([data for _, _, data in images])
         out = []
-        for offset, key, data in images:
+        for (offset, key, _), values in zip(images, pixels):
             n = spec.tokens_per_image
             if ids[offset:offset + n] != [spec.image_token_id] * n:
                 raise InvalidRequestError("image_data", f"no run of {n} image tokens at {offset}")
-            out.append(ImageInput(offset, n, key, self._image_processor(data)))
+            out.append(ImageInput(offset, n, key, values))
         return tuple(out)
 
     # ---------------------------------------------------------------- generation

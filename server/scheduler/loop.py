@@ -11,6 +11,7 @@ in ServerInfoReply), never fatal.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import signal
@@ -32,7 +33,7 @@ log = logging.getLogger("server.scheduler")
 
 _REFUSED = (InvalidRequestError, SamplingParamsError, GrammarError)  # answered with ReqError
 IDLE_POLL_MS = 50
-COMPILE_POLL_MS = 5  # idle poll while grammars compile
+COMPILE_POLL_MS = 5  # idle poll while grammars compile or images are preprocessed
 INVARIANT_CHECK_EVERY = 64  # steps
 
 
@@ -53,8 +54,9 @@ class SchedulerLoop:
         self.recv = recv
         self.send = send
         self.live: dict[str, tuple[Req, _Sent]] = {}
-        # rid -> (message, params, compile future, parked since): waiting for a grammar
-        self.compiling: dict[str, tuple] = {}
+        # rid -> (message, params, grammar future or None, pixels future or None, parked
+        # since): waiting for its grammar to compile and its images to be preprocessed
+        self.preparing: dict[str, tuple] = {}
         self.invariant_violations = 0
         self.steps = 0
         self.stopping = False  # set by SIGTERM: leave the loop, persist the cache, exit
@@ -65,7 +67,7 @@ class SchedulerLoop:
         if isinstance(msg, P.GenerateReq):
             self._add(msg)
         elif isinstance(msg, P.AbortReq):
-            if self.compiling.pop(msg.rid, None) is not None:
+            if self.preparing.pop(msg.rid, None) is not None:
                 return  # parked, never queued: nothing to free
             delta = (sched.stop(msg.rid, msg.stop) if msg.stop is not None
                      else sched.abort(msg.rid, msg.message))
@@ -81,41 +83,53 @@ class SchedulerLoop:
             log.warning("unexpected message %s dropped", type(msg).__name__)
 
     def _add(self, msg: P.GenerateReq) -> None:
-        """Queue a request; one whose grammar is not compiled yet is parked until it is (the
-        compile runs on a worker thread, so other requests keep decoding meanwhile)."""
+        """Queue a request. One whose grammar is not compiled yet, or whose images are not
+        preprocessed yet, is parked until they are: both run on worker threads, so other
+        requests keep decoding meanwhile."""
         try:
             params = SamplingParams.from_dict(msg.sampling)
-            if params.grammar is not None:
-                future = self.engine.grammars.compile_async(params.grammar)
-                if not future.done():
-                    self.compiling[msg.rid] = (msg, params, future, time.monotonic())
-                    return
+            grammar = self.engine.grammars.compile_async(params.grammar) \
+                if params.grammar is not None else None
         except _REFUSED as exc:
             return self._refuse(msg.rid, exc)
+        pixels = self.engine.preprocess_images_async([im.data for im in msg.images]) \
+            if msg.images else None
+        if (grammar is not None and not grammar.done()) or pixels is not None:
+            self.preparing[msg.rid] = (msg, params, grammar, pixels, time.monotonic())
+            return
         self._admit(msg, params)
 
-    def _admit_compiled(self) -> None:
-        """Admit parked requests whose grammar compiled; refuse those whose compile failed or
-        ran over the budget (the compile itself is left to finish and be cached)."""
+    def _admit_prepared(self) -> None:
+        """Admit parked requests whose grammar and images are ready; refuse those whose
+        compile or preprocessing failed or ran over the budget (a compile is left to finish
+        and be cached)."""
         now = time.monotonic()
-        for rid, (msg, params, future, since) in list(self.compiling.items()):
-            if not (future.done() or now - since > COMPILE_TIMEOUT_S):
+        for rid, (msg, params, grammar, pixels, since) in list(self.preparing.items()):
+            ready = all(f is None or f.done() for f in (grammar, pixels))
+            if not (ready or now - since > COMPILE_TIMEOUT_S):
                 continue
-            del self.compiling[rid]
+            del self.preparing[rid]
             try:
-                GrammarCompiler.result(future, params.grammar, timeout=0)
-            except GrammarError as exc:
+                if grammar is not None:
+                    GrammarCompiler.result(grammar, params.grammar, timeout=0)
+                values = pixels.result(timeout=0) if pixels is not None else None
+            except concurrent.futures.TimeoutError:
+                self._refuse(rid, InvalidRequestError(
+                    "image_data", f"preprocessing the images took over {COMPILE_TIMEOUT_S:.0f} s"))
+                continue
+            except _REFUSED as exc:
                 self._refuse(rid, exc)
                 continue
-            self._admit(msg, params)
+            self._admit(msg, params, values)
 
-    def _admit(self, msg: P.GenerateReq, params: SamplingParams) -> None:
+    def _admit(self, msg: P.GenerateReq, params: SamplingParams,
+               pixels: list | None = None) -> None:
         try:
             req = self.engine.make_request(
                 msg.input_ids, params, LogprobOptions(msg.return_logprob, msg.logprob_start_len,
                                                       msg.top_logprobs_num),
                 rid=msg.rid, cache_salt=msg.namespace, reasoning=msg.reasoning,
-                images=[(im.offset, im.key, im.data) for im in msg.images])
+                images=[(im.offset, im.key, im.data) for im in msg.images], pixels=pixels)
             self.engine.scheduler.add_request(req)
         except _REFUSED as exc:
             return self._refuse(msg.rid, exc)
@@ -125,7 +139,7 @@ class SchedulerLoop:
         self.send.send(P.encode(P.ReqError(rid, str(exc), getattr(exc, "param", None))))
 
     def _drain(self, block: bool) -> None:
-        if block and not self.recv.poll(COMPILE_POLL_MS if self.compiling else IDLE_POLL_MS):
+        if block and not self.recv.poll(COMPILE_POLL_MS if self.preparing else IDLE_POLL_MS):
             return
         while True:
             try:
@@ -175,8 +189,8 @@ class SchedulerLoop:
     def run_once(self) -> None:
         sched = self.engine.scheduler
         self._drain(block=not sched.has_work)
-        if self.compiling:
-            self._admit_compiled()
+        if self.preparing:
+            self._admit_prepared()
         if not sched.has_work:
             return
         batch = sched.step()

@@ -129,7 +129,62 @@ def test_an_aborted_request_waiting_for_its_grammar_is_dropped(loop):
     lp, to_loop, from_loop = loop
     to_loop.send(P.encode(P.GenerateReq("g", [5], {"regex": "(.{0,15000})y"})))
     lp.run_once()
-    assert "g" in lp.compiling
+    assert "g" in lp.preparing
     to_loop.send(P.encode(P.AbortReq("g")))
     lp.run_once()
-    assert "g" not in lp.compiling and not lp.engine.scheduler.has_work
+    assert "g" not in lp.preparing and not lp.engine.scheduler.has_work
+
+
+@pytest.fixture
+def llava_loop(tiny_llava):
+    engine = Engine(tiny_llava[0], dtype="float32", context_length=256, max_total_tokens=2048)
+    ctx = zmq.Context()
+    to_loop, from_loop = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    to_loop.bind("inproc://to-llava")
+    from_loop.bind("inproc://from-llava")
+    recv, send = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    recv.connect("inproc://to-llava")
+    send.connect("inproc://from-llava")
+    yield SchedulerLoop(engine, recv, send), to_loop, from_loop
+    ctx.destroy(linger=0)
+
+
+def test_image_preprocessing_does_not_stall_other_requests(llava_loop):
+    """Large images are decoded and resized on a worker thread while the request is parked:
+    a plain request sent after it is admitted at once and no loop iteration takes as long as
+    the preprocessing itself; the image request then runs."""
+    import io
+    import time
+
+    from PIL import Image
+
+    lp, to_loop, from_loop = llava_loop
+    buf = io.BytesIO()
+    Image.new("RGB", (4096, 4096), (9, 99, 199)).save(buf, format="PNG")
+    images = [buf.getvalue()] * 4  # the largest allowed: ~0.1 s or more each to decode, resize
+    image = lp.engine.vision_spec.image_token_id
+    prompt, parts = lp.engine.expand_images([1, 2] + [image, 3] * 4, images)
+    start = time.perf_counter()
+    lp.engine.preprocess_images(images)
+    cost = time.perf_counter() - start
+    to_loop.send(P.encode(P.GenerateReq(
+        "img", prompt, {"max_new_tokens": 3, "temperature": 0},
+        images=[P.ImagePart(offset, key, data) for offset, key, data in parts])))
+    to_loop.send(P.encode(P.GenerateReq("plain", [7, 8], {"max_new_tokens": 3,
+                                                          "temperature": 0})))
+    lp.run_once()
+    lp.run_once()
+    assert "img" in lp.preparing and "plain" in lp.live
+    finished, longest = [], 0.0
+    for _ in range(2000):
+        t0 = time.perf_counter()
+        lp.run_once()
+        longest = max(longest, time.perf_counter() - t0)
+        while from_loop.poll(0):
+            msg = P.decode(from_loop.recv())
+            assert not isinstance(msg, P.ReqError), msg
+            finished += [o.rid for o in msg.outputs if o.finish_reason]
+        if len(finished) == 2:
+            break
+    assert sorted(finished) == ["img", "plain"] and not lp.preparing
+    assert longest < cost / 2, (longest, cost)
