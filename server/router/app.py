@@ -8,6 +8,9 @@ and OpenAI APIs through (streams included) to the worker a policy picks
   goes to another worker before any byte of the response is sent; a 503 also backs the worker
   off for its ``Retry-After``. A stream that breaks after it started ends with an SSE error
   event and ``[DONE]`` (the client knows; nothing is replayed).
+* Responses API: a worker keeps the responses it produced (``previous_response_id``), so a
+  request chained to one, and ``GET`` / ``DELETE /v1/responses/{id}``, go to the worker that
+  answers ``GET /v1/responses/{id}`` (all are asked at once; no router state to lose).
 * Workers can be listed, added and removed at run time (``GET/POST/DELETE /workers``), and
   ``/metrics`` merges every worker's Prometheus metrics under a ``worker`` label with the
   router's own.
@@ -32,12 +35,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.router.policy import WorkerState, make_policy
 from server.router.tree import PrefixTree
 
 log = logging.getLogger("server.router")
-ROUTED_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
+ROUTED_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions", "/v1/responses")
 DEFAULT_CAPACITY_TOKENS = 65536
 
 
@@ -64,6 +68,18 @@ def request_key(path: str, body: dict[str, Any]) -> str:
                 content = "".join(p.get("text") or "" for p in content if isinstance(p, dict))
             parts.append(f"<{m.get('role') if isinstance(m, dict) else ''}>{content or ''}")
         return "\n".join(parts)
+    if path == "/v1/responses":
+        items = body.get("input")
+        items = [{"role": "user", "content": items}] if isinstance(items, str) else items
+        messages = [{"role": "system", "content": body.get("instructions")}] \
+            if body.get("instructions") else []
+        for item in items if isinstance(items, list) else []:
+            if isinstance(item, dict) and "role" in item:
+                content = item.get("content")
+                if isinstance(content, list):
+                    content = [{"text": p.get("text")} for p in content if isinstance(p, dict)]
+                messages.append({"role": item["role"], "content": content})
+        return request_key("/v1/chat/completions", {"messages": messages})
     prompt = body.get("text") if path == "/generate" else body.get("prompt")
     if prompt is None and path == "/generate":
         prompt = body.get("input_ids")
@@ -137,8 +153,23 @@ class Router:
             await asyncio.sleep(self.health_interval)
 
     # ---------------------------------------------------------------- routing
-    def pick(self, key: str, exclude: set[str]) -> Worker | None:
-        candidates = [w for w in self.workers.values() if w.available and w.url not in exclude]
+    async def owner(self, response_id: str, headers: dict[str, str]) -> Worker | None:
+        """The worker holding stored response ``response_id`` (each available worker is asked
+        ``GET /v1/responses/{id}`` at once), or None."""
+        async def holds(w: Worker) -> bool:
+            try:
+                r = await self.client.get(f"{w.url}/v1/responses/{response_id}",
+                                          headers=headers, timeout=5.0)
+                return r.status_code == 200
+            except httpx.HTTPError:
+                return False
+        workers = [w for w in self.workers.values() if w.available]
+        found = await asyncio.gather(*(holds(w) for w in workers))
+        return next((w for w, ok in zip(workers, found) if ok), None)
+
+    def pick(self, key: str, exclude: set[str], only: Worker | None = None) -> Worker | None:
+        candidates = [w for w in self.workers.values() if w.available and w.url not in exclude
+                      and (only is None or w is only)]
         if not candidates:
             return None
         worker = self.policy.pick(candidates, key)
@@ -151,8 +182,10 @@ class Router:
         key = request_key(path, body)
         tried: set[str] = set()
         stream = bool(body.get("stream"))
+        previous = body.get("previous_response_id") if path == "/v1/responses" else None
+        pinned = await self.owner(previous, headers) if isinstance(previous, str) else None
         while True:
-            worker = self.pick(key, tried)
+            worker = self.pick(key, tried, pinned)
             if worker is None:
                 return _error(503, "no worker is available" + (f" (tried {len(tried)})"
                                                                if tried else ""))
@@ -251,6 +284,28 @@ def create_router_app(router: Router) -> FastAPI:
             auth = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
             return await router.forward(path, body, auth)
         app.post(path)(route)
+
+    @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
+    async def stored_response(response_id: str, request: Request):
+        auth = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+        worker = await router.owner(response_id, auth)
+        if worker is None:
+            return JSONResponse({"error": {"message": f"response {response_id!r} not found on "
+                                           "any worker", "type": "not_found_error",
+                                           "param": None, "code": "not_found"}},
+                                status_code=404)
+        r = await router.client.request(request.method, f"{worker.url}/v1/responses/"
+                                        f"{response_id}", headers=auth)
+        return Response(r.content, r.status_code, media_type="application/json")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException):
+        message = (f"route {request.method} {request.url.path} is not served by this router "
+                   f"(it routes {', '.join(ROUTED_PATHS)})" if exc.status_code == 404
+                   else str(exc.detail))
+        return JSONResponse({"error": {"message": message, "type": "invalid_request_error",
+                                       "param": None, "code": str(exc.status_code)}},
+                            status_code=exc.status_code)
 
     @app.get("/health")
     async def health():

@@ -48,6 +48,10 @@ def test_policies():
     assert request_key("/v1/chat/completions", {"messages": [
         {"role": "system", "content": "S"}, {"role": "user", "content": [
             {"type": "text", "text": "Q"}]}]}) == "<system>S\n<user>Q"
+    assert request_key("/v1/responses", {"instructions": "S", "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "Q"}]}]}) == \
+        "<system>S\n<user>Q"
+    assert request_key("/v1/responses", {"input": "Q"}) == "<user>Q"
     assert request_key("/generate", {"input_ids": [1, 2]}) == "1,2,"
     assert request_key("/generate", {"text": ["t1", "t2"]}) == "t1"
 
@@ -113,6 +117,39 @@ def test_cache_aware_keeps_each_prefix_on_one_worker(cluster):
         assert cached[1] > 100 and cached[3] > 100  # the second of each pair hit its prefix
         trees = [w["tree_chars"] for w in httpx.get(url + "/workers").json()["workers"]]
         assert all(t > 0 for t in trees)  # A and B went to different workers
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_chained_responses_follow_the_worker_that_stored_them(cluster):
+    """Round robin would send every second turn to the other worker, whose store lacks the
+    previous response: chained requests (plain and streamed), GET and DELETE go to its owner."""
+    _, workers, _ = cluster
+    proc, url = _router_with("round_robin", [w.base_url for w in workers])
+    try:
+        client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        r = client.responses.create(model="m", input="Turn 0", max_output_tokens=2)
+        owners = set()
+        for turn in range(1, 5):
+            if turn % 2:
+                r = client.responses.create(model="m", input=f"Turn {turn}",
+                                            previous_response_id=r.id, max_output_tokens=2)
+            else:
+                events = list(client.responses.create(
+                    model="m", input=f"Turn {turn}", previous_response_id=r.id,
+                    max_output_tokens=2, stream=True))
+                r = events[-1].response
+            owners |= {w.base_url for w in workers
+                       if httpx.get(f"{w.base_url}/v1/responses/{r.id}").status_code == 200}
+            assert r.previous_response_id and r.usage.input_tokens_details.cached_tokens > 0
+        assert len(owners) == 1  # the whole conversation stayed where it started
+        assert client.responses.retrieve(r.id).id == r.id
+        client.responses.delete(r.id)
+        missing = httpx.get(f"{url}/v1/responses/{r.id}")
+        assert missing.status_code == 404 and r.id in missing.json()["error"]["message"]
+        other = httpx.post(url + "/v1/embeddings", json={"input": "x"})
+        assert other.status_code == 404 and "/v1/embeddings" in other.json()["error"]["message"]
     finally:
         proc.terminate()
         proc.wait(30)
