@@ -14,7 +14,7 @@ whole response so far (cumulative ``text``, ``output_ids`` and output logprobs, 
 ``completion_tokens``); with the server flag ``--incremental-streaming-output`` (SGLang's name)
 each chunk carries only what is new: the text delta, the new ``output_ids`` and the new entries
 of ``output_token_logprobs`` / ``output_top_logprobs`` (prompt logprobs stay whole, as SGLang
-sends them).
+sends them; with ``separate_reasoning``, ``reasoning_text`` is a delta too).
 With ``separate_reasoning`` on a reasoning model (:mod:`server.reasoning`), "text" is the answer
 and "reasoning_text" the thinking (null when there was none), and a constraint in the
 sampling params applies to the answer only.
@@ -58,7 +58,7 @@ class _Accumulator:
                                        "input_token_logprobs": [], "input_top_logprobs": []}
         self.last: P.ReqOutput | None = None
         self.sent_ids = 0  # incremental streaming: output entries already sent
-        self.sent_text = ""
+        self.sent = {"text": "", "reasoning_text": ""}
 
     def add(self, out: P.ReqOutput) -> None:
         self.ids += out.new_token_ids
@@ -78,9 +78,11 @@ class _Accumulator:
             for name in ("output_token_logprobs", "output_top_logprobs"):
                 if name in data["meta_info"]:
                     data["meta_info"][name] = data["meta_info"][name][start:]
-            text = data["text"]
-            data["text"] = text[len(self.sent_text):] if text.startswith(self.sent_text) else ""
-            self.sent_text = text if text.startswith(self.sent_text) else self.sent_text
+            for name, sent in self.sent.items():
+                text = data.get(name)
+                if isinstance(text, str):  # each part only ever grows
+                    data[name] = text[len(sent):] if text.startswith(sent) else ""
+                    self.sent[name] = text if text.startswith(sent) else sent
         return data
 
     def _whole(self, return_logprob: bool) -> dict[str, Any]:
