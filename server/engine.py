@@ -9,7 +9,8 @@ Used for offline batches, tests, benchmarks and (later) the frontend's in-proces
     out["text"], out["meta_info"]["completion_tokens"]
 
 Outputs follow the native ``/generate`` response: ``{"text", "output_ids", "meta_info": {"id",
-"prompt_tokens", "completion_tokens", "finish_reason", and logprob lists when asked}}``.
+"prompt_tokens", "completion_tokens", "finish_reason", and logprob lists when asked}}``, logprob
+entries being ``(logprob, token_id, None)`` as SGLang's ``Engine`` returns them.
 """
 
 from __future__ import annotations
@@ -406,13 +407,17 @@ class Engine:
             "finish_reason": text.finish_reason,
             "e2e_latency": req.finish_time - req.arrival_time,  # seconds, this request
         }
-        if req.logprobs.return_logprob:
-            meta["output_token_logprobs"] = req.output_token_logprobs[:n]
-            meta["input_token_logprobs"] = req.input_token_logprobs
+        if req.logprobs.return_logprob:  # SGLang's entries: (logprob, token_id, text or None)
+            meta["output_token_logprobs"] = _entries(req.output_token_logprobs[:n])
+            meta["input_token_logprobs"] = _entries(req.input_token_logprobs)
             if req.logprobs.top_logprobs_num:
-                meta["output_top_logprobs"] = req.output_top_logprobs[:n]
-                meta["input_top_logprobs"] = req.input_top_logprobs
+                meta["output_top_logprobs"] = [_entries(t) for t in req.output_top_logprobs[:n]]
+                meta["input_top_logprobs"] = [_entries(t) for t in req.input_top_logprobs]
         return {"text": text.text, "output_ids": list(req.output_ids[:n]), "meta_info": meta}
+
+
+def _entries(pairs) -> list[tuple[float | None, int, None]]:
+    return [(lp, tok, None) for lp, tok in pairs]
 
 
 def _replace_seed(params: SamplingParams, seed: int) -> SamplingParams:

@@ -32,7 +32,7 @@ def _greedy(engine: Engine, prompts=PROMPTS) -> list[list[int]]:
 def _prompt_logprobs(engine: Engine, ids: list[int]) -> torch.Tensor:
     out = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 1, "temperature": 0},
                           return_logprob=True, logprob_start_len=0)
-    return torch.tensor([lp for lp, _ in out["meta_info"]["input_token_logprobs"][1:]])
+    return torch.tensor([lp for lp, _, _ in out["meta_info"]["input_token_logprobs"][1:]])
 
 
 def test_triton_eager_and_graphs_match_the_reference_fp32(make_tiny_model):

@@ -65,15 +65,15 @@ def test_logprobs_agree_with_transformers(make_tiny_model, tiny_engine):
     meta = out["meta_info"]
     full = prompt + out["output_ids"]
     ref = torch.log_softmax(hf_logits(hf, full), dim=-1)
-    for i, (lp, tok) in enumerate(meta["output_token_logprobs"]):
+    for i, (lp, tok, _) in enumerate(meta["output_token_logprobs"]):
         pos = len(prompt) - 1 + i
         assert tok == full[pos + 1]
         assert lp == pytest.approx(ref[pos, tok].item(), abs=1e-4)
         top = ref[pos].topk(4)
-        assert [t for _, t in meta["output_top_logprobs"][i]] == top.indices.tolist()
+        assert [t for _, t, _ in meta["output_top_logprobs"][i]] == top.indices.tolist()
     inputs = meta["input_token_logprobs"]
-    assert [t for _, t in inputs] == prompt[5:]
-    for k, (lp, tok) in enumerate(inputs):
+    assert [t for _, t, _ in inputs] == prompt[5:]
+    for k, (lp, tok, _) in enumerate(inputs):
         assert lp == pytest.approx(ref[5 + k - 1, tok].item(), abs=1e-4)
     assert len(meta["input_top_logprobs"]) == len(prompt) - 5
 
@@ -84,8 +84,8 @@ def test_prompt_logprobs_from_position_zero_and_prefill_only(tiny_engine):
                                return_logprob=True, logprob_start_len=0)
     meta = out["meta_info"]
     assert out["output_ids"] == [] and meta["finish_reason"]["type"] == "length"
-    assert meta["input_token_logprobs"][0] == (None, prompt[0])
-    assert [t for _, t in meta["input_token_logprobs"]] == prompt
+    assert meta["input_token_logprobs"][0] == (None, prompt[0], None)
+    assert [t for _, t, _ in meta["input_token_logprobs"]] == prompt
 
 
 def test_seeded_sampling_reproduces(tiny_engine):
@@ -147,7 +147,7 @@ def test_choice_scoring_batch_shares_the_prefix(tiny_engine):
                                 logprob_start_len=len(prefix))
     for c, o in zip(choices, outs):
         assert o["meta_info"]["cached_tokens"] == len(prefix) - 1
-        assert [t for _, t in o["meta_info"]["input_token_logprobs"]] == c
+        assert [t for _, t, _ in o["meta_info"]["input_token_logprobs"]] == c
 
 
 def test_e2e_latency_is_per_request(tiny_engine):

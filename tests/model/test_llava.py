@@ -34,7 +34,7 @@ def test_logits_match_transformers_for_image_and_text(tiny_llava, engine):
     with torch.no_grad():
         logits = hf(input_ids=torch.tensor([ids]), pixel_values=pixels).logits[0]
     want = torch.log_softmax(logits.float(), -1)
-    got = [lp for lp, _ in out["meta_info"]["input_token_logprobs"][1:]]
+    got = [lp for lp, _, _ in out["meta_info"]["input_token_logprobs"][1:]]
     ref = [want[i, t].item() for i, t in enumerate(ids[1:])]
     assert max(abs(a - b) for a, b in zip(got, ref)) < 1e-4
     assert out["output_ids"][0] == int(want[-1].argmax())

@@ -34,7 +34,7 @@ def test_drafts_never_change_outputs(make_tiny_model, sp):
 
         def run(batch):
             res = eng.generate(input_ids=batch, sampling_params=params, return_logprob=True)
-            return [(o["output_ids"], [round(lp, 4) for lp, _ in
+            return [(o["output_ids"], [round(lp, 4) for lp, _, _ in
                                        o["meta_info"]["output_token_logprobs"]]) for o in res]
 
         outs[k] = [run([p])[0] for p in prompts] + run(prompts)

@@ -22,7 +22,7 @@ def _logits(engine: Engine, ids: list[int]) -> torch.Tensor:
     out = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 1, "temperature": 0},
                           return_logprob=True, logprob_start_len=0, top_logprobs_num=0)
     # next-token logprob of every prompt token, under each model
-    return torch.tensor([lp for lp, _ in out["meta_info"]["input_token_logprobs"][1:]])
+    return torch.tensor([lp for lp, _, _ in out["meta_info"]["input_token_logprobs"][1:]])
 
 
 @pytest.mark.parametrize("kind", ["llama", "tied", "qwen2"])

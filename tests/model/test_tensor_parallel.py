@@ -59,7 +59,7 @@ def _run(path, **kw):
     try:
         outs = eng.generate(input_ids=PROMPTS, sampling_params=SP, return_logprob=True)
         return ([o["output_ids"] for o in outs],
-                [[lp for lp, _ in o["meta_info"]["output_token_logprobs"]] for o in outs])
+                [[lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]] for o in outs])
     finally:
         eng.close()
 
