@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--max-queued-requests", type=int, default=1024, help="requests in flight beyond which new "
       "ones get 503 with Retry-After")
     a("--responses-store-size", type=int, default=1024, help="finished /v1/responses kept in "
-      "memory for previous_response_id (least recently used evicted; 0 = none)")
+      "memory for previous_response_id, within 256 MiB (least recently used evicted; 0 = none)")
     a("--incremental-streaming-output", action="store_true", help="native /generate stream "
       "chunks carry only the new text, output_ids and output logprobs (SGLang's flag); "
       "default: every chunk is the whole response so far")

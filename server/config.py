@@ -353,7 +353,8 @@ class HTTPConfig:
         reasoning_parser: "auto" (from the chat template, when unambiguous), "none", "qwen3"
             or "deepseek-r1" (:mod:`server.reasoning`).
         responses_store_size: finished ``/v1/responses`` kept in memory for
-            ``previous_response_id`` (least recently used evicted; 0 stores none).
+            ``previous_response_id``, within 256 MiB (least recently used evicted; 0 stores
+            none).
         incremental_streaming_output: native ``/generate`` stream chunks carry only what is
             new (SGLang's flag of the same name); default: each chunk is cumulative.
     """

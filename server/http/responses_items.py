@@ -30,6 +30,7 @@ Errors: :class:`server.http.tokenizer_manager.ApiError` (400, 404 for an unknown
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections import OrderedDict
 from typing import Any
@@ -296,37 +297,47 @@ def response_object(rid: str, created: float, model: str, body: ResponsesRequest
 # ---------------------------------------------------------------- the store
 class ResponseStore:
     """Finished responses (``store=true``) by id, for ``previous_response_id`` and
-    ``GET /v1/responses/{id}``: at most ``capacity`` entries, least recently used evicted.
+    ``GET /v1/responses/{id}``: at most ``capacity`` entries and about ``max_bytes`` of them
+    (an entry is charged its response's and conversation's JSON size, shared history included,
+    so a client cannot fill the memory with large inputs), least recently used evicted first.
     Each entry keeps the response object and its conversation as chat messages (the input
     history without instructions, then the output)."""
 
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        self._entries: OrderedDict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = \
+    def __init__(self, capacity: int, max_bytes: int = 256 << 20):
+        self.capacity, self.max_bytes = capacity, max_bytes
+        self.nbytes = 0
+        self._entries: OrderedDict[str, tuple[dict[str, Any], list[dict[str, Any]], int]] = \
             OrderedDict()
 
     def put(self, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
-        if self.capacity <= 0:
+        cost = len(json.dumps(response)) + len(json.dumps(conversation))
+        if self.capacity <= 0 or cost > self.max_bytes:
             return
-        self._entries[response["id"]] = (response, conversation)
-        self._entries.move_to_end(response["id"])
-        while len(self._entries) > self.capacity:
-            self._entries.popitem(last=False)
+        if response["id"] in self._entries:
+            self._drop(response["id"])
+        self._entries[response["id"]] = (response, conversation, cost)
+        self.nbytes += cost
+        while len(self._entries) > self.capacity or self.nbytes > self.max_bytes:
+            self._drop(next(iter(self._entries)))
+
+    def _drop(self, rid: str) -> None:
+        self.nbytes -= self._entries.pop(rid)[2]
 
     def get(self, rid: str, param: str | None = None) -> tuple[dict[str, Any],
                                                                list[dict[str, Any]]]:
         """(response, conversation). Raises ApiError 404 for an unknown or evicted id."""
         if rid not in self._entries:
             raise ApiError(404, f"response {rid!r} not found (it was not stored, or it was "
-                           f"evicted: this server keeps the last {self.capacity})",
-                           param=param, type="not_found_error")
+                           f"evicted: this server keeps the last {self.capacity}, within "
+                           f"{self.max_bytes >> 20} MiB)", param=param, type="not_found_error")
         self._entries.move_to_end(rid)
-        return self._entries[rid]
+        response, conversation, _ = self._entries[rid]
+        return response, conversation
 
     def delete(self, rid: str) -> None:
+        """Forget ``rid``. Raises ApiError 404 when it is not stored."""
         self.get(rid)
-        del self._entries[rid]
+        self._drop(rid)
 
     def __len__(self) -> int:
         return len(self._entries)
-

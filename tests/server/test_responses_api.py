@@ -213,6 +213,17 @@ def test_store_is_bounded_lru():
         store.get("r1")
     assert err.value.status == 404
     ResponseStore(capacity=0).put({"id": "x"}, [])  # 0: nothing kept, no error
+    # the byte budget: large conversations evict the oldest entries; one over it is not kept
+    store = ResponseStore(capacity=100, max_bytes=10_000)
+    for i in range(5):
+        store.put({"id": f"big{i}"}, [{"role": "user", "content": "x" * 3000}])
+    assert len(store) == 3 and store.nbytes <= 10_000
+    with pytest.raises(ApiError):
+        store.get("big1")
+    store.put({"id": "huge"}, [{"role": "user", "content": "x" * 20_000}])
+    assert len(store) == 3 and store.get("big4")
+    store.delete("big4")
+    assert len(store) == 2 and store.nbytes < 10_000 * 2 / 3
 
 
 def test_stream_fails_before_headers_like_plain(healthy):
