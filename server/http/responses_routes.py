@@ -65,17 +65,23 @@ class _Reply:
         self.manager, self.state = manager, state
         self.tools, self.use_tools, self.want_logprobs = tools, use_tools, want_logprobs
 
-    def items(self, outs: list[P.ReqOutput], final: P.ReqOutput) -> list[dict[str, Any]]:
+    def items(self, outs: list[P.ReqOutput], ids: dict[str, str] | None = None
+              ) -> list[dict[str, Any]]:
+        """The output items of a finished generation (``outs``: all its outputs). ``ids``:
+        the item ids a stream already announced, by type ("reasoning", "message")."""
+        ids = ids or {}
+        final = outs[-1]
         status, _ = _status(final.finish_reason)
         reasoning, text = split(final.text, self.state) if self.state is not None \
             else (None, final.text)
-        items = [reasoning_item(new_id("rs"), reasoning)] if reasoning else []
+        items = [reasoning_item(ids.get("reasoning") or new_id("rs"), reasoning)] \
+            if reasoning else []
         call = as_tool_call(text, self.tools) if self.use_tools else None
         if call is not None:
             items.append(function_call_item(new_id("fc"), call))
         else:
             lp = token_logprobs(self.manager, outs) if self.want_logprobs else None
-            items.append(message_item(new_id("msg"), text, "completed"
+            items.append(message_item(ids.get("message") or new_id("msg"), text, "completed"
                                       if status == "completed" else "incomplete", lp))
         return items
 
@@ -102,7 +108,7 @@ async def create_response(request: Request, body: ResponsesRequest):
     def finished(outs: list[P.ReqOutput], output: list[dict[str, Any]] | None = None
                  ) -> dict[str, Any]:
         final = outs[-1]
-        output = output if output is not None else reply.items(outs, final)
+        output = output if output is not None else reply.items(outs)
         status, reason = _status(final.finish_reason)
         response = response_object(rid, created, model, body, status, output,
                                    reply.usage(final, output), reason)
@@ -237,11 +243,7 @@ class _ResponseEvents:
                         if kind == "message" and reply.want_logprobs else None
                     for e in self.delta(text, lp):
                         yield e
-            items = reply.items(outs, outs[-1])
-            for item in items:  # same ids as the streamed items
-                if item["type"] in ids and not reply.use_tools:
-                    item["id"] = ids[item["type"]]
-            for item in items:
+            for item in reply.items(outs, None if reply.use_tools else ids):
                 if self.item is not None and self.item["id"] == item["id"]:
                     events = self.close(item)
                 elif item["id"] in {i["id"] for i in self.output}:

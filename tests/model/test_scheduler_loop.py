@@ -11,10 +11,9 @@ from server.model.sampling import SamplingParams
 from server.scheduler.loop import SchedulerLoop
 
 
-@pytest.fixture
-def loop(make_tiny_model):
-    path, _ = make_tiny_model("llama")
-    engine = Engine(path, dtype="float32", context_length=512, max_total_tokens=2048)
+def _wired(engine: Engine):
+    """(SchedulerLoop over ``engine``, the socket feeding it, the socket it answers on), over
+    in-process ZeroMQ; yielded by the fixtures, which then close the context."""
     ctx = zmq.Context()
     to_loop, from_loop = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
     to_loop.bind("inproc://to")
@@ -24,6 +23,31 @@ def loop(make_tiny_model):
     send.connect("inproc://from")
     yield SchedulerLoop(engine, recv, send), to_loop, from_loop
     ctx.destroy(linger=0)
+
+
+@pytest.fixture
+def loop(make_tiny_model):
+    path, _ = make_tiny_model("llama")
+    yield from _wired(Engine(path, dtype="float32", context_length=512, max_total_tokens=2048))
+
+
+def run_timed(loop_, from_loop, count: int, steps: int = 2000) -> tuple[list[str], float]:
+    """Run the loop until ``count`` requests finished: (their rids in finishing order, the
+    longest loop iteration in seconds). Fails on any refused request."""
+    import time
+
+    finished, longest = [], 0.0
+    for _ in range(steps):
+        start = time.perf_counter()
+        loop_.run_once()
+        longest = max(longest, time.perf_counter() - start)
+        while from_loop.poll(0):
+            msg = P.decode(from_loop.recv())
+            assert not isinstance(msg, P.ReqError), msg
+            finished += [o.rid for o in msg.outputs if o.finish_reason]
+        if len(finished) == count:
+            break
+    return finished, longest
 
 
 def run_until(loop_, from_loop, pred, steps=500):
@@ -103,24 +127,12 @@ def test_a_costly_grammar_compiles_without_stalling_other_requests(loop):
     """A regex that takes ~1 s to compile is parked while it compiles: a plain request sent
     after it finishes first, no loop iteration blocks for long, and the constrained request
     then runs (and a second identical one hits the compile cache)."""
-    import time
-
     lp, to_loop, from_loop = loop
     slow = {"max_new_tokens": 3, "temperature": 0, "regex": "(.{0,20000})x"}
     to_loop.send(P.encode(P.GenerateReq("slow", [5, 6], slow)))
     to_loop.send(P.encode(P.GenerateReq("plain", [7, 8], {"max_new_tokens": 3,
                                                           "temperature": 0})))
-    order, longest = [], 0.0
-    for _ in range(2000):
-        start = time.perf_counter()
-        lp.run_once()
-        longest = max(longest, time.perf_counter() - start)
-        while from_loop.poll(0):
-            msg = P.decode(from_loop.recv())
-            assert not isinstance(msg, P.ReqError), msg
-            order += [o.rid for o in msg.outputs if o.finish_reason]
-        if len(order) == 2:
-            break
+    order, longest = run_timed(lp, from_loop, 2)
     assert order == ["plain", "slow"] and longest < 0.5, (order, longest)
     assert lp.engine.grammars.compile_async(SamplingParams.from_dict(slow).grammar).done()
 
@@ -137,16 +149,8 @@ def test_an_aborted_request_waiting_for_its_grammar_is_dropped(loop):
 
 @pytest.fixture
 def llava_loop(tiny_llava):
-    engine = Engine(tiny_llava[0], dtype="float32", context_length=256, max_total_tokens=2048)
-    ctx = zmq.Context()
-    to_loop, from_loop = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-    to_loop.bind("inproc://to-llava")
-    from_loop.bind("inproc://from-llava")
-    recv, send = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    recv.connect("inproc://to-llava")
-    send.connect("inproc://from-llava")
-    yield SchedulerLoop(engine, recv, send), to_loop, from_loop
-    ctx.destroy(linger=0)
+    yield from _wired(Engine(tiny_llava[0], dtype="float32", context_length=256,
+                             max_total_tokens=2048))
 
 
 def test_image_preprocessing_does_not_stall_other_requests(llava_loop):
@@ -175,16 +179,6 @@ def test_image_preprocessing_does_not_stall_other_requests(llava_loop):
     lp.run_once()
     lp.run_once()
     assert "img" in lp.preparing and "plain" in lp.live
-    finished, longest = [], 0.0
-    for _ in range(2000):
-        t0 = time.perf_counter()
-        lp.run_once()
-        longest = max(longest, time.perf_counter() - t0)
-        while from_loop.poll(0):
-            msg = P.decode(from_loop.recv())
-            assert not isinstance(msg, P.ReqError), msg
-            finished += [o.rid for o in msg.outputs if o.finish_reason]
-        if len(finished) == 2:
-            break
+    finished, longest = run_timed(lp, from_loop, 2)
     assert sorted(finished) == ["img", "plain"] and not lp.preparing
     assert longest < cost / 2, (longest, cost)
