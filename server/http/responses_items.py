@@ -87,6 +87,7 @@ EXTENSIONS = ("seed", "top_k", "min_p", "repetition_penalty", "logit_bias", "ign
 
 
 def new_id(prefix: str) -> str:
+    """A fresh OpenAI-style id, e.g. ``resp_<32 hex digits>`` for ``prefix="resp"``."""
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
@@ -240,12 +241,15 @@ def chat_request(body: ResponsesRequest, history: list[dict[str, Any]]
 # ---------------------------------------------------------------- output items
 def message_item(item_id: str, text: str, status: str,
                  logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """An assistant ``message`` output item holding one ``output_text`` part; ``status``:
+    in_progress, completed or incomplete; ``logprobs``: chat-style token entries."""
     part = {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
     return {"type": "message", "id": item_id, "status": status, "role": "assistant",
             "content": [part]}
 
 
 def reasoning_item(item_id: str, text: str) -> dict[str, Any]:
+    """A ``reasoning`` output item carrying the model's thinking as ``reasoning_text``."""
     return {"type": "reasoning", "id": item_id, "summary": [],
             "content": [{"type": "reasoning_text", "text": text}], "status": "completed"}
 
@@ -265,6 +269,8 @@ def as_chat_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def usage(prompt_tokens: int, output_tokens: int, cached_tokens: int,
           reasoning_tokens: int = 0) -> dict[str, Any]:
+    """The Responses ``usage`` object (counts in tokens); every prompt token the radix cache
+    did not hold is written to it, so ``cache_write_tokens`` is the uncached rest."""
     return {"input_tokens": prompt_tokens,
             "input_tokens_details": {"cached_tokens": cached_tokens,
                                      "cache_write_tokens": prompt_tokens - cached_tokens},
