@@ -177,7 +177,11 @@ def run_worker(rank: int, pc: ParallelConfig, init_addr: str, device: str, threa
     except Exception as exc:  # noqa: BLE001 - rank 0 is gone: nothing left to serve
         log.error("rank %d: the tensor-parallel group broke (%s); exiting", rank, exc)
         os._exit(1)
-    dist.destroy_process_group()
+    # Rank 0 said stop and is leaving the group too: gloo's teardown then races with the
+    # peer's closing sockets and can abort the process ("terminate called without an active
+    # exception", exit -6; seen once in CI). Nothing is left to release, so exit directly.
+    logging.shutdown()
+    os._exit(0)
 
 
 def serve_node(pc: ParallelConfig, device: str, log_level: str = "info") -> int:
