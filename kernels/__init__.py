@@ -11,29 +11,19 @@ import os
 import torch
 
 from kernels.base import AttentionBackend, AttentionInputs
+from kernels.cpu_features import at_least, cpu_flags, isa_from_flags, native_bf16
 from kernels.reference import ReferenceAttention
 
-ATTENTION_BACKENDS = ("auto", "reference", "triton", "flashinfer")
+ATTENTION_BACKENDS = ("auto", "reference", "cpu", "triton", "flashinfer")
 FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
 FLASHINFER_HEAD_DIMS = (64, 128, 256)
-_NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+CPU_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def cpu_has_native_bf16(cpuinfo_path: str = "/proc/cpuinfo") -> bool:
-    """True when the CPU has bf16 arithmetic instructions (AVX512-BF16 or AMX-BF16).
-
-    With them, oneDNN's bf16 matmuls ran 1.8x (batch 1) to 6x (512 rows) faster than fp32 on
-    the 2-core development machine; without them bf16 is emulated and slower than fp32.
-    """
-    try:
-        with open(cpuinfo_path) as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return any(flag in flags for flag in _NATIVE_BF16_FLAGS)
-    except OSError:
-        pass
-    return False
+    """True when the CPU (as ``cpuinfo_path`` describes it) has bf16 dot products
+    (AVX512-BF16 or AMX; :func:`kernels.cpu_features.native_bf16`)."""
+    return native_bf16(isa_from_flags(cpu_flags(cpuinfo_path)))
 
 
 def triton_interpret() -> bool:
@@ -42,12 +32,26 @@ def triton_interpret() -> bool:
 
 
 def unavailable_reason(name: str, device: torch.device, dtype: torch.dtype | None = None,
-                       head_dim: int | None = None, windowed: bool = False) -> str | None:
+                       head_dim: int | None = None, windowed: bool = False,
+                       cpu_isa: str | None = None) -> str | None:
     """Why backend ``name`` cannot run with KV buffers on ``device`` (of ``dtype`` and
     ``head_dim`` when given, for a model with sliding-window layers or attention-logit
-    soft-capping when ``windowed``); None when it can."""
+    soft-capping when ``windowed``, on a CPU of class ``cpu_isa``, default the probed one);
+    None when it can."""
     if name == "reference":
         return None
+    if name == "cpu":
+        from kernels import cpu as native
+
+        if device.type != "cpu":
+            return "the native CPU kernel needs the KV pool in host memory"
+        if not at_least("avx2", cpu_isa):
+            return f"the CPU class {cpu_isa!r} is below avx2"
+        if dtype is not None and dtype not in CPU_DTYPES:
+            return f"the native CPU kernel runs float32/bfloat16 KV, not {dtype}"
+        if head_dim is not None and (head_dim % 8 or head_dim > 256):
+            return f"the native CPU kernel needs head_dim a multiple of 8 up to 256, not {head_dim}"
+        return native.unavailable_reason()
     if name == "triton":
         if importlib.util.find_spec("triton") is None:
             return "triton is not installed (pip install 'sgl-adapters[kernels]')"
@@ -71,21 +75,23 @@ def unavailable_reason(name: str, device: torch.device, dtype: torch.dtype | Non
 
 
 def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtype | None = None,
-                              head_dim: int | None = None, windowed: bool = False) -> str:
+                              head_dim: int | None = None, windowed: bool = False,
+                              cpu_isa: str | None = None) -> str:
     """The concrete backend for ``name`` on ``device`` (for a KV ``dtype`` and ``head_dim``,
     when given). "auto": FlashInfer, else Triton, on a CUDA device where installed and able
-    (FlashInfer: fp16/bf16, head_dim 64/128/256); the reference everywhere else (including CPU
-    with Triton's interpreter, which is for tests, not speed). Raises ValueError for an
-    unknown name or an unavailable backend, saying why."""
+    (FlashInfer: fp16/bf16, head_dim 64/128/256); on a CPU the native kernel ("cpu") where it
+    is built and ``cpu_isa`` (default: probed) is avx2 or above; the reference everywhere
+    else (including CPU with Triton's interpreter, which is for tests, not speed). Raises
+    ValueError for an unknown name or an unavailable backend, saying why."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
     if name == "auto":
-        if device.type == "cuda":
-            for candidate in ("flashinfer", "triton"):
-                if unavailable_reason(candidate, device, dtype, head_dim, windowed) is None:
-                    return candidate
+        candidates = ("flashinfer", "triton") if device.type == "cuda" else ("cpu",)
+        for candidate in candidates:
+            if unavailable_reason(candidate, device, dtype, head_dim, windowed, cpu_isa) is None:
+                return candidate
         return "reference"
-    reason = unavailable_reason(name, device, dtype, head_dim, windowed)
+    reason = unavailable_reason(name, device, dtype, head_dim, windowed, cpu_isa)
     if reason is not None:
         raise ValueError(f"attention backend {name!r} is unavailable: {reason}")
     return name
@@ -108,6 +114,10 @@ def create_attention_backend(name: str, k_buffers: list[torch.Tensor],
         from kernels.flashinfer import FlashInferAttention
 
         return FlashInferAttention(k_buffers, v_buffers)
+    if name == "cpu":
+        from kernels.cpu.attention import CPUAttention
+
+        return CPUAttention(k_buffers, v_buffers)
     return ReferenceAttention(k_buffers, v_buffers)
 
 

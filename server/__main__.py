@@ -13,6 +13,7 @@ import sys
 
 from server.config import (
     ATTENTION_BACKENDS,
+    CPU_ISAS,
     QUANTIZATION_MODES,
     REASONING_PARSERS,
     SCHEDULE_POLICIES,
@@ -47,7 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
     a("--device", default="auto", help="auto (cuda when a GPU is visible, else cpu), cpu or "
       "cuda[:N]")
     a("--attention-backend", default="auto", choices=ATTENTION_BACKENDS, help="auto (FlashInfer, "
-      "else Triton, on CUDA; reference on CPU), reference, triton or flashinfer")
+      "else Triton, on CUDA; the native cpu kernel on CPU, else reference), reference, cpu, "
+      "triton or flashinfer")
+    a("--cpu-isa", default="auto", choices=CPU_ISAS, help="the CPU class to plan for: auto "
+      "(detected, or $SGL_CPU_ISA), none (torch's own ops only), avx2, avx512, avx512_bf16 or "
+      "amx; a lower class than the machine's runs that class's code paths, a higher one only "
+      "its dtype choice (bf16, emulated without the instructions)")
     a("--quantization", default="auto", choices=QUANTIZATION_MODES, help="weights kept "
       "quantized in memory: auto (a GGUF file's own 4-bit types as int4, its other quantized "
       "types as int8; float checkpoints unchanged; default), none (dequantize to --dtype), "
@@ -119,7 +125,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, HTTPConfi
                           context_length=args.context_length,
                           served_model_name=args.served_model_name,
                           attention_backend=args.attention_backend,
-                          quantization=args.quantization,
+                          quantization=args.quantization, cpu_isa=args.cpu_isa,
                           torch_compile=args.enable_torch_compile,
                           disable_cuda_graph=args.disable_cuda_graph,
                           cuda_graph_max_bs=args.cuda_graph_max_bs),

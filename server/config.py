@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 # No torch (or kernels, or the model stack) at import: the HTTP process and ``python -m server
 # --help`` read this module. The names below are checked against kernels.ATTENTION_BACKENDS
 # and server.model.quantization in tests/unit/test_config.py.
-ATTENTION_BACKENDS = ("auto", "reference", "triton", "flashinfer")
+ATTENTION_BACKENDS = ("auto", "reference", "cpu", "triton", "flashinfer")
 QUANTIZATION_MODES = ("auto", "none", "int8", "int4")
+CPU_ISAS = ("auto", "none", "avx2", "avx512", "avx512_bf16", "amx")  # kernels.cpu_features
 _DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
            "half": "float16", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 SCHEDULE_POLICIES = ("lpm", "dfs_weight", "fcfs", "random")
@@ -39,8 +40,15 @@ class ModelConfig:
         dtype: "auto" (bfloat16 on CUDA and on CPUs with native bf16 arithmetic, else float32),
             "float32", "float16" or "bfloat16".
         device: "auto" (cuda when torch sees a GPU, else cpu), "cpu" or "cuda[:N]".
-        attention_backend: "auto" (FlashInfer, else Triton, on CUDA; the reference on CPU),
-            "reference", "triton" or "flashinfer" (:func:`kernels.resolve_attention_backend`).
+        attention_backend: "auto" (FlashInfer, else Triton, on CUDA; the native "cpu" kernel
+            on CPU where it is built and the CPU class allows, else the reference),
+            "reference", "cpu", "triton" or "flashinfer"
+            (:func:`kernels.resolve_attention_backend`).
+        cpu_isa: the CPU class to plan for (:mod:`kernels.cpu_features`): "auto" (detected,
+            or ``$SGL_CPU_ISA``), "none" (torch's own ops only), "avx2", "avx512",
+            "avx512_bf16" or "amx". A lower class than the machine's runs that class's code
+            paths; a higher one only its decisions (bf16 compute, emulated where the CPU
+            lacks it). Native kernels (``kernels.cpu``) run from "avx2" up.
         context_length: max tokens per sequence (prompt + output); None = the model's own.
         served_model_name: name reported by the APIs; None = derived from the path.
         quantization: weight-only quantization kept in memory (:mod:`server.model.quantization`):
@@ -63,6 +71,7 @@ class ModelConfig:
     served_model_name: str | None = None
     attention_backend: str = "auto"
     quantization: str = "auto"
+    cpu_isa: str = "auto"
     torch_compile: bool = False
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 256
@@ -77,11 +86,25 @@ class ModelConfig:
             raise ConfigError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.device != "auto" and not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.cpu_isa not in CPU_ISAS:
+            raise ConfigError(f"cpu_isa must be one of {CPU_ISAS}, got {self.cpu_isa!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got "
                               f"{self.attention_backend!r}")
         if self.context_length is not None and self.context_length < 2:
             raise ConfigError(f"context_length must be >= 2, got {self.context_length}")
+
+    @property
+    def native_cpu_kernels(self) -> bool:
+        """The ``kernels.cpu`` library runs this model's linear layers (resolved configs: a CPU
+        device, cpu_isa "avx2" or above, the library built, and no torch_compile: a compiled
+        decoder stack runs torch's own ops, which inductor fuses)."""
+        from kernels import cpu as native
+        from kernels.cpu_features import at_least
+
+        return (self.device == "cpu" and self.cpu_isa not in ("auto", "none")
+                and not self.torch_compile and at_least("avx2", self.cpu_isa)
+                and native.available())
 
     @property
     def torch_dtype(self) -> "torch.dtype":  # noqa: F821 - torch is imported lazily
@@ -268,7 +291,7 @@ def available_memory_bytes(device: str) -> int:
 
 
 def resolve(config: EngineConfig, *, kv_elements_per_token: int, model_context_length: int,
-            available_bytes: int | None = None, cpu_native_bf16: bool = False,
+            available_bytes: int | None = None, cpu_native_bf16: bool | None = None,
             head_dim: int | None = None, windowed: bool = False) -> EngineConfig:
     """Return a copy of ``config`` with every "auto"/None value made concrete.
 
@@ -279,8 +302,9 @@ def resolve(config: EngineConfig, *, kv_elements_per_token: int, model_context_l
         available_bytes: memory to size the pool from; None = measured on ``config.model.device``.
         head_dim: the model's attention head size (backends support only some; None = any).
         windowed: the model has sliding-window layers or attention-logit soft-capping.
-        cpu_native_bf16: the CPU has bf16 instructions (``kernels.cpu_has_native_bf16``); then
-            "auto" picks bfloat16 on CPU too (measured 1.8-6x faster matmuls than float32).
+        cpu_native_bf16: the CPU has bf16 instructions; then "auto" picks bfloat16 on CPU
+            too (measured 1.8-6x faster matmuls than float32). None = from the resolved
+            ``cpu_isa`` (:func:`kernels.cpu_features.native_bf16`).
 
     Raises:
         ConfigError: the pool would hold fewer than 16 tokens, or context_length exceeds the model's.
@@ -304,12 +328,27 @@ def resolve(config: EngineConfig, *, kv_elements_per_token: int, model_context_l
         if model.torch_compile:
             raise ConfigError("torch_compile with tp_size > 1 is not supported")
         model = dataclasses.replace(model, quantization="none", disable_cuda_graph=True)
+    from kernels.cpu_features import cpu_isa, native_bf16
+
+    if model.cpu_isa == "auto":
+        try:
+            model = dataclasses.replace(model, cpu_isa=cpu_isa())
+        except ValueError as exc:  # a bad $SGL_CPU_ISA
+            raise ConfigError(str(exc)) from exc
+    if cpu_native_bf16 is None:
+        cpu_native_bf16 = native_bf16(model.cpu_isa)
     if model.dtype == "auto":
         bf16 = model.device.startswith("cuda") or cpu_native_bf16
         model = dataclasses.replace(model, dtype="bfloat16" if bf16 else "float32")
+    if model.torch_compile and model.device == "cpu" and model.attention_backend == "cpu":
+        raise ConfigError("torch_compile runs the reference attention on CPU (inductor fuses "
+                          "its ops); leave attention_backend 'auto' or 'reference'")
     try:
-        backend = resolve_attention_backend(model.attention_backend, torch.device(model.device),
-                                            model.torch_dtype, head_dim, windowed)
+        requested = ("reference" if model.torch_compile and model.device == "cpu"
+                     and model.attention_backend == "auto" else model.attention_backend)
+        backend = resolve_attention_backend(requested, torch.device(model.device),
+                                            model.torch_dtype, head_dim, windowed,
+                                            cpu_isa=model.cpu_isa)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     model = dataclasses.replace(model, attention_backend=backend)

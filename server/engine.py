@@ -24,7 +24,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
-from kernels import cpu_has_native_bf16
+from kernels.cpu_features import native_bf16
 from server.cache.kv_pool import TokenKVPool
 from server.cache.manager import CacheManager
 from server.cache.radix_tree import RadixCache
@@ -89,7 +89,6 @@ class Engine:
         loaded = load_model(config.model.path)
         self.config = resolve(config, kv_elements_per_token=loaded.arch.kv_elements_per_token,
                               model_context_length=loaded.arch.max_position_embeddings,
-                              cpu_native_bf16=cpu_has_native_bf16(),
                               head_dim=loaded.arch.head_dim, windowed=loaded.arch.windowed)
         mc, cc, sc = self.config.model, self.config.cache, self.config.scheduler
         self.arch = loaded.arch
@@ -108,7 +107,8 @@ class Engine:
                                   quantization=mc.quantization,
                                   compile=mc.torch_compile,
                                   dense_prefill_rows=(DENSE_PREFILL_ROWS if mc.device == "cpu"
-                                                      and cpu_has_native_bf16() else None),
+                                                      and native_bf16(mc.cpu_isa) else None),
+                                  native_linear=mc.native_cpu_kernels,
                                   cuda_graph_max_bs=(0 if mc.disable_cuda_graph else
                                                      min(mc.cuda_graph_max_bs,
                                                          sc.max_running_requests)),

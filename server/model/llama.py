@@ -75,9 +75,52 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn: AttentionBackend, attn_id: int | None = None) -> torch.Tensor:
+        """x: [T, hidden] (the residual stream; a backend with fused ops updates it in
+        place). Returns the layer's output [T, hidden]."""
         t = x.shape[0]
+        # a backend's fused ops (kernels.cpu: RoPE + K/V store, residual add + RMSNorm,
+        # SiLU * up) replace several small ops each; not under torch.compile (its graph
+        # fuses them itself)
+        fused = attn_id is None and getattr(attn, "fused", False)
         h = attn.rms_norm(x, self.input_layernorm, self.eps)
         qkv = self.qkv_proj(h)
+        if fused and not hasattr(self, "q_norm"):
+            q = attn.rope_store(self.layer_id, qkv, cos, sin, self.num_heads,
+                                self.num_kv_heads, self.head_dim)
+            o = attn.attend(self.layer_id, q, self.scale, self.window, self.softcap)
+        else:
+            o = self._attention(qkv, cos, sin, attn, attn_id)
+        o = self.o_proj(o.reshape(t, -1))
+        if self.tp is not None:
+            o = self.tp.all_reduce(o)
+        if self.sandwich:
+            x = x + attn.rms_norm(o, self.post_attention_layernorm, self.eps)
+            h = attn.rms_norm(x, self.pre_feedforward_layernorm, self.eps)
+        elif fused:
+            h = attn.add_rms_norm(o, x, self.post_attention_layernorm, self.eps)  # x += o
+        else:
+            x = x + o
+            h = attn.rms_norm(x, self.post_attention_layernorm, self.eps)
+        if self.moe is not None:
+            return x + self.moe(h)
+        gate_up = self.gate_up_proj(h)
+        if fused and self.act is F.silu:
+            act = attn.silu_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = self.act(gate) * up
+        out = self.down_proj(act)
+        if self.tp is not None:
+            out = self.tp.all_reduce(out)
+        if self.sandwich:
+            out = attn.rms_norm(out, self.post_feedforward_layernorm, self.eps)
+        return x + out
+
+    def _attention(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   attn: AttentionBackend, attn_id: int | None) -> torch.Tensor:
+        """RoPE (after Qwen3's per-head norms), K/V store and attention of one layer, op by
+        op. qkv: [T, (Hq + 2 Hkv) * D]. Returns [T, Hq, D]."""
+        t = qkv.shape[0]
         q_size, kv_size, _ = self.split
         # Q and K heads are adjacent in the fused output: one RoPE call rotates both.
         qk = qkv[:, :q_size + kv_size].view(t, -1, self.head_dim)
@@ -91,26 +134,8 @@ class DecoderLayer(nn.Module):
         qk = attn.apply_rope(qk, cos, sin)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, q_size + kv_size:].view(t, self.num_kv_heads, self.head_dim)
-        o = attention(attn, attn_id, self.layer_id, q, k, v, self.scale, self.window,
-                      self.softcap)
-        o = self.o_proj(o.reshape(t, -1))
-        if self.tp is not None:
-            o = self.tp.all_reduce(o)
-        if self.sandwich:
-            x = x + attn.rms_norm(o, self.post_attention_layernorm, self.eps)
-            h = attn.rms_norm(x, self.pre_feedforward_layernorm, self.eps)
-        else:
-            x = x + o
-            h = attn.rms_norm(x, self.post_attention_layernorm, self.eps)
-        if self.moe is not None:
-            return x + self.moe(h)
-        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
-        out = self.down_proj(self.act(gate) * up)
-        if self.tp is not None:
-            out = self.tp.all_reduce(out)
-        if self.sandwich:
-            out = attn.rms_norm(out, self.post_feedforward_layernorm, self.eps)
-        return x + out
+        return attention(attn, attn_id, self.layer_id, q, k, v, self.scale, self.window,
+                         self.softcap)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -223,7 +248,7 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]], *,
                      dtype: torch.dtype, device: torch.device,
                      quantization: str = "none",
-                     dense_min_rows: int | None = None) -> QuantReport:
+                     dense_min_rows: int | None = None, native: bool = False) -> QuantReport:
         """Materialize this meta-device model from HF-named tensors (see
         :func:`server.model.weight_loading.load_weights`), then build the RoPE tables.
         Norm weights get ``arch.norm_offset`` added (Gemma's (1 + w), folded in once).
@@ -235,7 +260,8 @@ class LlamaForCausalLM(nn.Module):
             shard, arch = self.tp.shard, self.arch
             weights = ((n, shard.shard(n, w, arch)) for n, w in weights)
         report = load_weights(self, weights, self.param_target, dtype=dtype, device=device,
-                              quantization=quantization, dense_min_rows=dense_min_rows)
+                              quantization=quantization, dense_min_rows=dense_min_rows,
+                              native=native)
         self.init_rope_cache()
         return report
 

@@ -191,13 +191,19 @@ class QuantLinear(nn.Module):
             with native bf16 dot products (AVX512-BF16/AMX) a dense bf16 matmul of 256+ rows ran
             1.9-2.6x faster than the packed int4 kernel, which computes with fp32 FMAs, while
             below ~32 rows (decode) the packed weight wins by reading 4x fewer bytes.
+        native: run on the ``kernels.cpu`` library (:func:`kernels.cpu.int4_linear` /
+            :func:`kernels.cpu.int8_linear`: float32 FMAs over weights dequantized in
+            registers, float32 or bfloat16 activations as given, every row independent of the
+            batch) instead of torch's packed ops (bfloat16 activations). The caller checks
+            that the library is available.
 
-    forward: x [..., K] any float dtype -> [..., N] in x's dtype (computed in bfloat16).
-    Raises QuantizationError for an int4 shape torch cannot pack (see :func:`int4_supported`).
+    forward: x [..., K] any float dtype -> [..., N] in x's dtype.
+    Raises QuantizationError for an int4 shape the kernel cannot pack (see
+    :func:`int4_supported`).
     """
 
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None,
-                 dense_min_rows: int | None = None):
+                 dense_min_rows: int | None = None, native: bool = False):
         super().__init__()
         n, k = weight.shape
         self.dense_min_rows = dense_min_rows
@@ -205,7 +211,21 @@ class QuantLinear(nn.Module):
                              else weight.dequantize().to(COMPUTE_DTYPE), persistent=False)
         self.kind, self.in_features, self.out_features = weight.kind, k, n
         self.source = weight.source
-        if weight.kind == "int4":
+        self.native = native
+        if native:
+            from kernels import cpu as native_kernels
+
+            if k % (INT4_GROUP if weight.kind == "int4" else 8):
+                raise QuantizationError(f"the native kernels need in_features a multiple of "
+                                        f"{INT4_GROUP} (int4) or 8 (int8), got [{n}, {k}]")
+            if weight.kind == "int4":
+                packed = native_kernels.pack_int4(weight.q, weight.scale, weight.zero)
+                scales = torch.empty(0)
+            else:
+                packed, scales = weight.q.contiguous(), weight.scale.float().contiguous()
+            self.register_buffer("packed", packed, persistent=False)
+            self.register_buffer("scales_and_zeros", scales, persistent=False)
+        elif weight.kind == "int4":
             if not int4_supported(n, k):
                 raise QuantizationError(f"int4 needs out_features % 16 == 0 and in_features % "
                                         f"{INT4_GROUP} == 0, got [{n}, {k}]")
@@ -237,6 +257,18 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
+        if self.native and (self.dense is None or x.numel() < self.dense_min_rows
+                            * self.in_features):
+            x2 = x.reshape(-1, self.in_features)
+            if x2.dtype not in (torch.float32, torch.bfloat16):
+                x2 = x2.float()
+            x2 = x2.contiguous()
+            if self.kind == "int4":
+                y = torch.ops.sgl_cpu.int4_linear(x2, self.packed, self.out_features)
+            else:
+                y = torch.ops.sgl_cpu.int8_linear(x2, self.packed, self.scales_and_zeros)
+            y = y.to(x.dtype).view(*shape[:-1], self.out_features)
+            return y if self.bias is None else y + self.bias.to(y.dtype)
         x2 = x.reshape(-1, self.in_features).to(COMPUTE_DTYPE)
         if self.dense is not None and x2.shape[0] >= self.dense_min_rows:
             y = F.linear(x2, self.dense)
@@ -250,7 +282,7 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"kind={self.kind}, source={self.source}")
+                f"kind={self.kind}, source={self.source}, native={self.native}")
 
 
 class QuantEmbedding(nn.Module):
@@ -261,7 +293,8 @@ class QuantEmbedding(nn.Module):
     second, packed copy because the packed layout cannot be indexed by row).
     """
 
-    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype, tied: bool):
+    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype, tied: bool,
+                 native: bool = False):
         super().__init__()
         self.kind, self.dtype, self.source = weight.kind, dtype, weight.source
         v, h = weight.shape
@@ -273,7 +306,7 @@ class QuantEmbedding(nn.Module):
             self.register_buffer("q", weight.q.contiguous(), persistent=False)
             self.zero = None
         self.register_buffer("scale", weight.scale.contiguous(), persistent=False)
-        self.as_linear = QuantLinear(weight) if tied else None
+        self.as_linear = QuantLinear(weight, native=native) if tied else None
         if self.as_linear is not None and weight.kind == "int8":
             self.as_linear.packed = self.q  # the same int8 tensor
 

@@ -45,13 +45,16 @@ class ModelRunner:
             (:mod:`server.model.tp_worker`).
         dense_prefill_rows: quantized linears keep a dense bf16 copy for extend passes of at
             least this many tokens (:class:`server.model.quantization.QuantLinear`); None = off.
+        native_linear: quantized linears run on the ``kernels.cpu`` library
+            (:class:`server.model.quantization.QuantLinear`); the caller checks availability.
     """
 
     def __init__(self, loaded: LoadedModel, kv_pool: TokenKVPool, *, dtype: torch.dtype,
                  device: str = "cpu", max_positions: int, attention_backend: str = "auto",
                  quantization: str = "none", compile: bool = False,
                  compile_cache_dir: str | None = DEFAULT_CACHE_DIR,
-                 dense_prefill_rows: int | None = None, cuda_graph_max_bs: int = 0,
+                 dense_prefill_rows: int | None = None, native_linear: bool = False,
+                 cuda_graph_max_bs: int = 0,
                  req_to_token: torch.Tensor | None = None, tp: TPGroup | None = None):
         arch = loaded.arch
         if len(kv_pool.k_buffers) != arch.num_layers:
@@ -68,7 +71,8 @@ class ModelRunner:
             self.quant_report = model.load_weights(loaded.weights(keep_quantized=keep),
                                                    dtype=dtype, device=self.device,
                                                    quantization=quantization,
-                                                   dense_min_rows=dense_prefill_rows)
+                                                   dense_min_rows=dense_prefill_rows,
+                                                   native=native_linear)
         self.model = model.eval()
         self.vision = None
         if loaded.vision is not None:  # a LLaVA checkpoint: its vision tower and projector

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from server.model.quantization import (
+    INT4_GROUP,
     QUANTIZATION_MODES,
     QuantEmbedding,
     QuantizationError,
@@ -45,6 +46,7 @@ class QuantReport:
 
     mode: str
     dense_min_rows: int | None = None
+    native: bool = False  # quantized linears run on the kernels.cpu library
     modules: Counter = field(default_factory=Counter)
     sources: Counter = field(default_factory=Counter)
     weight_bytes: int = 0
@@ -58,7 +60,8 @@ class QuantReport:
         packed = (self.weight_bytes - self.prefill_copy_bytes) / 2**20
         dense = (f" + {self.prefill_copy_bytes / 2**20:.0f} MiB bf16 copies for extends of >= "
                  f"{self.dense_min_rows} tokens" if self.prefill_copy_bytes else "")
-        return f"{self.mode}: {kinds} [{src}], {packed:.0f} MiB{dense}"
+        kernel = " on sgl_cpu kernels" if self.native and self.sources else ""
+        return f"{self.mode}: {kinds} [{src}], {packed:.0f} MiB{dense}{kernel}"
 
 
 def _module_of(model: nn.Module, name: str) -> tuple[nn.Module, str]:
@@ -69,7 +72,7 @@ def _module_of(model: nn.Module, name: str) -> tuple[nn.Module, str]:
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]],
                  param_target: Callable[[str], Target | None], *, dtype: torch.dtype,
                  device: torch.device, quantization: str = "none",
-                 dense_min_rows: int | None = None) -> QuantReport:
+                 dense_min_rows: int | None = None, native: bool = False) -> QuantReport:
     """Fill ``model`` (built on the meta device) from ``weights``.
 
     Args:
@@ -80,6 +83,8 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | Q
             "int4" / "int8" (quantize every ``nn.Linear`` weight and ``nn.Embedding``).
         dense_min_rows: quantized linears also keep a dense bf16 copy for inputs of at least
             this many rows (prefill on CPUs with native bf16; see :class:`QuantLinear`).
+        native: quantized linears run on the ``kernels.cpu`` library (see
+            :class:`QuantLinear`); the caller checks that it is available.
 
     Returns a :class:`QuantReport`. Raises WeightLoadError, QuantizationError.
     """
@@ -121,7 +126,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | Q
     if missing:
         raise WeightLoadError(f"weights missing from checkpoint: {missing[:8]}")
 
-    report = QuantReport(quantization)
+    report = QuantReport(quantization, native=native)
     for name, t in dense.items():
         module, attr = _module_of(model, name)
         setattr(module, attr, nn.Parameter(t, requires_grad=False))
@@ -130,7 +135,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | Q
         report.dense_min_rows = dense_min_rows
     for name, blocks in parts.items():
         _install_quantized(model, name, blocks, quantization, dtype, device, report,
-                           dense_min_rows)
+                           dense_min_rows, native)
     report.modules["dense"] = sum(1 for n in quantizable if n not in parts)
     return report
 
@@ -146,7 +151,7 @@ def _target_kind(blocks: list, quantization: str, n: int, k: int) -> str:
 
 def _install_quantized(model: nn.Module, name: str, blocks: list, quantization: str,
                        dtype: torch.dtype, device: torch.device, report: QuantReport,
-                       dense_min_rows: int | None) -> None:
+                       dense_min_rows: int | None, native: bool) -> None:
     module_name = name.rsplit(".", 1)[0]
     module = model.get_submodule(module_name)
     n, k = module.weight.shape
@@ -157,16 +162,18 @@ def _install_quantized(model: nn.Module, name: str, blocks: list, quantization: 
                  else f"{getattr(b, 'source', 'float')} -> {kind}" for _, b in blocks}:
         report.sources[part] += 1
     report.modules[kind] += 1
+    # the native kernels take K in multiples of 32 (int4 blocks) or 8 (int8 rows)
+    native = native and k % (INT4_GROUP if kind == "int4" else 8) == 0
     if isinstance(module, nn.Embedding):
         tied = getattr(model, "lm_head", True) is None
-        new: nn.Module = QuantEmbedding(weight, dtype, tied)
+        new: nn.Module = QuantEmbedding(weight, dtype, tied, native)
         report.weight_bytes += sum(b.nbytes for b in new.buffers())
     else:
         bias = module.bias if module.bias is not None and module.bias.device.type != "meta" \
             else None
         if module.bias is not None and bias is None:
             raise WeightLoadError(f"{module_name}.bias missing from checkpoint")
-        new = QuantLinear(weight, bias, dense_min_rows)
+        new = QuantLinear(weight, bias, dense_min_rows, native)
         report.weight_bytes += new.nbytes
         report.prefill_copy_bytes += 0 if new.dense is None else new.dense.nbytes
     parent, attr = _module_of(model, module_name)

@@ -10,9 +10,18 @@ from server.config import ConfigError, EngineConfig, resolve
 CPU = torch.device("cpu")
 
 
-def test_auto_is_reference_on_cpu_and_unknown_names_fail():
-    assert resolve_attention_backend("auto", CPU) == "reference"
+def test_auto_on_cpu_is_the_native_kernel_where_it_runs_and_unknown_names_fail():
+    from kernels import cpu as native
+
+    expected = "cpu" if native.available() else "reference"
+    assert resolve_attention_backend("auto", CPU) == expected
+    assert resolve_attention_backend("auto", CPU, cpu_isa="none") == "reference"
+    assert resolve_attention_backend("auto", CPU, torch.float16, cpu_isa="avx2") == "reference"
+    assert resolve_attention_backend("auto", CPU, torch.float32, 60, cpu_isa="avx2") == \
+        "reference"  # head_dim not a multiple of 8
     assert resolve_attention_backend("reference", CPU) == "reference"
+    with pytest.raises(ValueError, match="below avx2"):
+        resolve_attention_backend("cpu", CPU, cpu_isa="none")
     with pytest.raises(ValueError, match="must be one of"):
         resolve_attention_backend("xformers", CPU)
 
@@ -60,7 +69,9 @@ def test_engine_config_resolves_device_and_backend(monkeypatch):
                   model_context_length=128, available_bytes=1 << 30)
     assert cfg.model.device == ("cuda" if torch.cuda.is_available() else "cpu")
     if not torch.cuda.is_available():
-        assert cfg.model.attention_backend == "reference"
+        from kernels import cpu as native
+
+        assert cfg.model.attention_backend == ("cpu" if native.available() else "reference")
         with pytest.raises(ConfigError, match="triton"):
             resolve(EngineConfig.from_kwargs(model="x", attention_backend="triton"),
                     kv_elements_per_token=64, model_context_length=128, available_bytes=1 << 30)

@@ -42,7 +42,7 @@ def test_cpu_bf16_probe(tmp_path):
     f = tmp_path / "cpuinfo"
     f.write_text("processor: 0\nflags\t\t: fpu avx2 avx512f\n")
     assert not cpu_has_native_bf16(str(f))
-    f.write_text("flags\t\t: fpu avx2 avx512_bf16\n")
+    f.write_text("flags\t\t: fpu avx2 fma avx512f avx512bw avx512vl avx512_bf16\n")
     assert cpu_has_native_bf16(str(f))
     assert not cpu_has_native_bf16(str(tmp_path / "missing"))
 

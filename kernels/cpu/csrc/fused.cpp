@@ -1,0 +1,166 @@
+// Fused elementwise ops of a decoder layer (one pass over the rows instead of 5-10 ATen ops):
+//   rms_norm(x, w, eps)                    -> y = w * x / rms(x)                (HF LlamaRMSNorm)
+//   add_rms_norm(x, residual, w, eps)      -> residual += x; y = rms_norm(residual)   (in place)
+//   rope_store(qkv, cos, sin, ..., k_buf, v_buf, loc) -> RoPE on q and k inside qkv (in place,
+//       HF's half-split rotate_half layout) and k, v written to the pool slots `loc`
+//   silu_mul(gate_up) -> silu(gate) * up
+// Rows are independent (and computed the same whatever the batch), float32 math, inputs and
+// outputs float32 or bfloat16.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <cmath>
+
+#include "vec.h"
+
+namespace sgl_cpu {
+namespace {
+
+template <typename T>
+inline float f(T v) { return static_cast<float>(v); }
+
+template <typename T>
+void norm_row(const T* x, const T* w, int64_t H, float eps, T* y) {
+  float ss = 0.0f;
+  for (int64_t i = 0; i < H; ++i) ss += f(x[i]) * f(x[i]);
+  const float inv = 1.0f / std::sqrt(ss / static_cast<float>(H) + eps);
+  // HF: weight * (x * rsqrt(mean(x^2) + eps)).to(dtype): normalized value rounded to T first
+  for (int64_t i = 0; i < H; ++i) y[i] = static_cast<T>(f(w[i]) * f(static_cast<T>(f(x[i]) * inv)));
+}
+
+void check_rows(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [T, H] tensor");
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(1) && w.scalar_type() == x.scalar_type(),
+              "weight must be [H] in x's dtype");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "x must be float32 or bfloat16");
+}
+
+}  // namespace
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  check_rows(x, w);
+  auto y = at::empty_like(x);
+  const int64_t T = x.size(0), H = x.size(1);
+  const auto wc = w.contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rms_norm", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    at::parallel_for(0, T, 64, [&](int64_t lo, int64_t hi) {
+      for (int64_t t = lo; t < hi; ++t)
+        norm_row(xp + t * H, wc.data_ptr<scalar_t>(), H, static_cast<float>(eps), yp + t * H);
+    });
+  });
+  return y;
+}
+
+at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& w,
+                        double eps) {
+  check_rows(x, w);
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.is_contiguous() &&
+              residual.scalar_type() == x.scalar_type(), "residual must be like x");
+  auto y = at::empty_like(x);
+  const int64_t T = x.size(0), H = x.size(1);
+  const auto wc = w.contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "add_rms_norm", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* rp = residual.data_ptr<scalar_t>();
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    at::parallel_for(0, T, 64, [&](int64_t lo, int64_t hi) {
+      for (int64_t t = lo; t < hi; ++t) {
+        scalar_t* r = rp + t * H;
+        for (int64_t i = 0; i < H; ++i) r[i] = static_cast<scalar_t>(f(r[i]) + f(xp[t * H + i]));
+        norm_row(r, wc.data_ptr<scalar_t>(), H, static_cast<float>(eps), yp + t * H);
+      }
+    });
+  });
+  return y;
+}
+
+// qkv [T, (Hq + 2 Hkv) * D] (q heads, then k heads, then v heads); cos, sin [T, D] in qkv's
+// dtype; k_buf, v_buf [C, Hkv, D]; loc [T] int64. Rotates q and k in place; returns nothing.
+void rope_store(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t num_q,
+                int64_t num_kv, int64_t head_dim, at::Tensor& k_buf, at::Tensor& v_buf,
+                const at::Tensor& loc) {
+  const int64_t T = qkv.size(0), D = head_dim, half = D / 2;
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && qkv.size(1) == (num_q + 2 * num_kv) * D,
+              "qkv must be a contiguous [T, (num_q + 2 num_kv) * head_dim] tensor");
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(0) == T && cos.size(1) == D &&
+              cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == qkv.scalar_type(),
+              "cos and sin must be contiguous [T, head_dim] in qkv's dtype");
+  TORCH_CHECK(k_buf.scalar_type() == qkv.scalar_type() && v_buf.scalar_type() == qkv.scalar_type()
+              && k_buf.is_contiguous() && v_buf.is_contiguous() && k_buf.size(1) == num_kv &&
+              k_buf.size(2) == D, "the KV buffers must be contiguous [C, num_kv, head_dim] in "
+              "qkv's dtype");
+  TORCH_CHECK(loc.numel() == T && loc.scalar_type() == at::kLong, "loc must be [T] int64");
+  TORCH_CHECK(D % 2 == 0, "head_dim must be even");
+  const auto lc = loc.contiguous();
+  const int64_t* lp = lc.data_ptr<int64_t>();
+  const int64_t C = k_buf.size(0);
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(lp[t] >= 0 && lp[t] < C, "loc[", t, "] = ", lp[t], " is outside the pool");
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, qkv.scalar_type(), "rope_store", [&] {
+    scalar_t* p = qkv.data_ptr<scalar_t>();
+    const scalar_t* cp = cos.data_ptr<scalar_t>();
+    const scalar_t* sp = sin.data_ptr<scalar_t>();
+    scalar_t* kb = k_buf.data_ptr<scalar_t>();
+    scalar_t* vb = v_buf.data_ptr<scalar_t>();
+    const int64_t width = (num_q + 2 * num_kv) * D;
+    at::parallel_for(0, T, 16, [&](int64_t lo, int64_t hi) {
+      for (int64_t t = lo; t < hi; ++t) {
+        scalar_t* row = p + t * width;
+        const scalar_t* c = cp + t * D;
+        const scalar_t* s = sp + t * D;
+        // HF: x * cos + rotate_half(x) * sin, each product rounded to the dtype, then summed
+        for (int64_t h = 0; h < num_q + num_kv; ++h) {
+          scalar_t* x = row + h * D;
+          for (int64_t i = 0; i < half; ++i) {
+            const scalar_t a = x[i], b = x[i + half];
+            const scalar_t a_cos = static_cast<scalar_t>(f(a) * f(c[i]));
+            const scalar_t nb_sin = static_cast<scalar_t>(-f(b) * f(s[i]));
+            const scalar_t b_cos = static_cast<scalar_t>(f(b) * f(c[i + half]));
+            const scalar_t a_sin = static_cast<scalar_t>(f(a) * f(s[i + half]));
+            x[i] = static_cast<scalar_t>(f(a_cos) + f(nb_sin));
+            x[i + half] = static_cast<scalar_t>(f(b_cos) + f(a_sin));
+          }
+        }
+        std::copy(row + num_q * D, row + (num_q + num_kv) * D, kb + lp[t] * num_kv * D);
+        std::copy(row + (num_q + num_kv) * D, row + width, vb + lp[t] * num_kv * D);
+      }
+    });
+  });
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
+              "gate_up must be a contiguous [T, 2 I] tensor");
+  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
+  auto out = at::empty({T, I}, gate_up.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, gate_up.scalar_type(), "silu_mul", [&] {
+    const scalar_t* g = gate_up.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    at::parallel_for(0, T, 16, [&](int64_t lo, int64_t hi) {
+      alignas(32) float buf[8];
+      for (int64_t t = lo; t < hi; ++t) {
+        const scalar_t* gt = g + t * 2 * I;
+        for (int64_t i = 0; i < I; i += 8) {
+          const int64_t n = std::min<int64_t>(8, I - i);
+          for (int64_t j = 0; j < n; ++j) buf[j] = -f(gt[i + j]);
+          // silu(x) = x / (1 + exp(-x)); torch rounds it to the dtype before the product
+          const __m256 e = exp256(_mm256_load_ps(buf));
+          _mm256_store_ps(buf, e);
+          for (int64_t j = 0; j < n; ++j) {
+            const float x = f(gt[i + j]);
+            const scalar_t sx = static_cast<scalar_t>(x / (1.0f + buf[j]));
+            o[t * I + i + j] = static_cast<scalar_t>(f(sx) * f(gt[I + i + j]));
+          }
+        }
+      }
+    });
+  });
+  return out;
+}
+
+}  // namespace sgl_cpu

@@ -1,0 +1,172 @@
+"""The native CPU kernels (kernels/cpu) against the pure-torch reference on random inputs, and
+their batch invariance: a row's result is bitwise the same alone or in any batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpu as native
+from kernels.cpu_features import ISA_LEVELS, at_least, cpu_isa, isa_from_flags, native_bf16
+from kernels.reference import extend_attention
+from server.model.quantization import quantize_int4, quantize_int8
+
+needs_native = pytest.mark.skipif(not native.available(),
+                                  reason=f"sgl_cpu kernels: {native.unavailable_reason()}")
+
+
+def test_isa_levels_from_flags_and_the_override(monkeypatch):
+    assert isa_from_flags({"avx", "fma"}) == "none"
+    assert isa_from_flags({"avx2", "fma", "avx512f"}) == "avx2"  # no avx512bw/vl: still avx2
+    assert isa_from_flags({"avx2", "fma", "avx512f", "avx512bw", "avx512vl"}) == "avx512"
+    zen4 = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"}
+    assert isa_from_flags(zen4) == "avx512_bf16" and native_bf16(isa_from_flags(zen4))
+    spr = zen4 | {"amx_bf16", "amx_int8", "amx_tile"}
+    assert isa_from_flags(spr) == "amx"
+    assert isa_from_flags({"amx_bf16", "amx_int8", "amx_tile"}) == "none"  # levels are ordered
+    for level in ISA_LEVELS:
+        monkeypatch.setenv("SGL_CPU_ISA", level)
+        assert cpu_isa() == level
+    monkeypatch.setenv("SGL_CPU_ISA", "avx9000")
+    with pytest.raises(ValueError, match="SGL_CPU_ISA"):
+        cpu_isa()
+    assert at_least("avx2", "amx") and not at_least("avx512", "avx2")
+
+
+def _int4(n: int, k: int, seed: int = 0):
+    torch.manual_seed(seed)
+    qw = quantize_int4(torch.randn(n, k))
+    return qw, native.pack_int4(qw.q, qw.scale, qw.zero)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 5, 7, 16, 61, 130])
+@pytest.mark.parametrize("n,k", [(96, 64), (7, 32), (130, 96)])
+def test_int4_linear_matches_the_dequantized_weight_and_is_batch_invariant(m, n, k, dtype):
+    qw, packed = _int4(n, k)
+    x = torch.randn(m, k).to(dtype)
+    y = native.int4_linear(x, packed, n)
+    ref = x.float() @ qw.dequantize().T  # fp16 block scales: a few 1e-4 relative
+    assert y.dtype == dtype and y.shape == (m, n)
+    tol = 2e-3 if dtype == torch.float32 else 1e-2
+    assert ((y.float() - ref).abs().max() / ref.abs().max()) < tol
+    rows = torch.cat([native.int4_linear(x[i:i + 1].contiguous(), packed, n) for i in range(m)])
+    assert torch.equal(y, rows)  # each row alone gives the same bits as in the batch
+    if m > 2:
+        shuffled = torch.randperm(m)
+        assert torch.equal(native.int4_linear(x[shuffled].contiguous(), packed, n), y[shuffled])
+
+
+@needs_native
+@pytest.mark.parametrize("m", [1, 6, 7, 64])
+def test_int8_linear_matches_and_is_batch_invariant(m):
+    torch.manual_seed(1)
+    q8 = quantize_int8(torch.randn(50, 96))
+    x = torch.randn(m, 96)
+    y = native.int8_linear(x, q8.q, q8.scale)
+    ref = x @ q8.dequantize().T
+    assert (y - ref).abs().max() < 1e-4 * ref.abs().max()
+    rows = torch.cat([native.int8_linear(x[i:i + 1].contiguous(), q8.q, q8.scale)
+                      for i in range(m)])
+    assert torch.equal(y, rows)
+
+
+@needs_native
+def test_bad_shapes_are_errors_not_crashes():
+    _, packed = _int4(32, 64)
+    with pytest.raises(RuntimeError, match="must be"):
+        native.int4_linear(torch.randn(2, 63), packed, 32)
+    with pytest.raises(RuntimeError, match="packed"):
+        native.int4_linear(torch.randn(2, 64), packed, 31)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        native.int4_linear(torch.randn(2, 64).half(), packed, 32)
+
+
+def _pool(capacity: int, hkv: int, d: int, dtype, rows: int = 4, max_len: int = 1500):
+    torch.manual_seed(0)
+    k = torch.randn(capacity, hkv, d).to(dtype)
+    v = torch.randn(capacity, hkv, d).to(dtype)
+    table = torch.stack([torch.randperm(capacity)[:max_len] for _ in range(rows)])
+    return k, v, table
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 4, 32), (8, 1, 128)])
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (300, 0.0), (0, 20.0)])
+def test_attention_matches_the_reference(dtype, hq, hkv, d, window, softcap):
+    k, v, table = _pool(4096, hkv, d, dtype)
+    rows, prefix, ext = [0, 2, 3], [0, 700, 1100], [37, 1, 300]
+    q = torch.randn(sum(ext), hq, d).to(dtype)
+    ref = extend_attention(q, k, v, table, rows, prefix, ext, d ** -0.5, window, softcap)
+    out = torch.ops.sgl_cpu.attention(q, k, v, table, torch.tensor(rows), torch.tensor(prefix),
+                                      torch.tensor(ext), d ** -0.5, window, softcap)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert out.dtype == dtype and (out.float() - ref.float()).abs().max() < tol
+
+
+@needs_native
+def test_attention_of_a_token_is_the_same_in_decode_and_in_any_extend():
+    """Bitwise: token p of a sequence computed in a long extend, in a short extend over the
+    cached prefix, and as a decode step beside other sequences."""
+    k, v, table = _pool(4096, 3, 64, torch.float32)
+    q = torch.randn(1200, 9, 64)
+    scale = 0.125
+
+    def run(rows, prefix, ext, qs):
+        return torch.ops.sgl_cpu.attention(qs.contiguous(), k, v, table, torch.tensor(rows),
+                                           torch.tensor(prefix), torch.tensor(ext), scale, 0,
+                                           0.0)
+
+    whole = run([1], [0], [1200], q)
+    chunk = run([1], [1000], [200], q[1000:])
+    decode = run([0, 1, 2], [50, 1199, 900], [1, 1, 1], torch.stack([q[0], q[1199], q[5]]))
+    assert torch.equal(whole[1000:], chunk)
+    assert torch.equal(whole[1199], decode[1])
+
+
+@needs_native
+def test_native_linear_layers_in_the_model_match_torchs(make_tiny_model):
+    """A tiny model quantized to int4 (lm_head int8): the engine on the native kernels and on
+    torch's packed ops agree on greedy tokens, and the report says which ran."""
+    from server.engine import Engine
+
+    path, _ = make_tiny_model("llama")
+    native_engine = Engine(path, max_total_tokens=2048, context_length=256, dtype="float32",
+                           quantization="int4")
+    torch_engine = Engine(path, max_total_tokens=2048, context_length=256, dtype="float32",
+                          quantization="int4", cpu_isa="none")
+    assert "sgl_cpu" in native_engine.runner.quant_report.summary()
+    assert "sgl_cpu" not in torch_engine.runner.quant_report.summary()
+    assert torch_engine.config.model.attention_backend == "reference"
+    assert native_engine.config.model.attention_backend == "cpu"
+    ids = [1, 5, 9, 13, 2, 7]
+    a = native_engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 8,
+                                                               "temperature": 0})["output_ids"]
+    b = torch_engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 8,
+                                                             "temperature": 0})["output_ids"]
+    assert a[:4] == b[:4]  # torch's op computes in bf16: later tokens may drift
+
+
+@needs_native
+def test_a_forced_bf16_class_runs_the_bf16_paths_of_an_amx_machine(make_tiny_model):
+    """cpu_isa="amx" on any AVX2 machine takes an AMX machine's decisions: bfloat16 compute
+    (emulated here), the native kernels on bfloat16 activations and KV, and dense bf16 copies
+    of the quantized weights for long extends. Its greedy tokens start like float32's."""
+    from server.engine import Engine
+
+    path, _ = make_tiny_model("llama")
+    amx = Engine(path, max_total_tokens=2048, context_length=256, quantization="int4",
+                 cpu_isa="amx")
+    ref = Engine(path, max_total_tokens=2048, context_length=256, quantization="int4",
+                 cpu_isa="avx2")
+    assert amx.config.model.dtype == "bfloat16" and ref.config.model.dtype == "float32"
+    assert amx.config.model.attention_backend == "cpu"
+    assert amx.runner.quant_report.prefill_copy_bytes > 0  # the dense bf16 extend copies
+    assert amx.kv_pool.k_buffers[0].dtype == torch.bfloat16
+    params = {"max_new_tokens": 4, "temperature": 0}
+    ids = list(range(5, 90))  # 85 tokens: the extend takes the dense copies' path
+    a = amx.generate(input_ids=ids, sampling_params=params)["output_ids"]
+    b = ref.generate(input_ids=ids, sampling_params=params)["output_ids"]
+    assert a[:2] == b[:2]
