@@ -2,6 +2,7 @@
 started by :class:`sgl_adapters.backends.runtime.Runtime` (the one launcher: ready when
 ``/health`` answers, and the server exits when the test process dies, even by SIGKILL).
 :class:`ServerProcess` adds what fault tests need: the log, signals and the scheduler pid.
+Running ones are listed by :func:`live_servers` (for ``tests/harness.py``'s checks).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import signal
 import socket
 import subprocess
 import time
+import weakref
 
 import httpx
 
@@ -18,6 +20,12 @@ from sgl_adapters.backends.runtime import Runtime
 
 READY_TIMEOUT_S = 180
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_LIVE: "weakref.WeakSet[ServerProcess]" = weakref.WeakSet()
+
+
+def live_servers() -> list["ServerProcess"]:
+    """The ServerProcesses of this test process whose server is still running."""
+    return [s for s in list(_LIVE) if s.proc.poll() is None]
 
 
 def free_port() -> int:
@@ -31,16 +39,20 @@ class ServerProcess:
     kept in ``self.log``."""
 
     def __init__(self, *args: str):
+        self.args = args
         self.runtime = Runtime(None, startup_timeout=READY_TIMEOUT_S,
                                extra_args=["--log-level", "warning", *args], cwd=REPO_ROOT)
         self.proc = self.runtime.proc
         self.port = self.runtime.port
         self.url = self.runtime.base_url
+        self.unbounded_seen = 0  # /server_info's unbounded_requests at the last check
+        _LIVE.add(self)
         deadline = time.monotonic() + 10  # the ready line follows /health by a few ms
-        while not any("server ready:" in line for line in self.log):
+        while not (ready := [line for line in self.log if "server ready:" in line]):
             if time.monotonic() > deadline:
                 raise RuntimeError("no ready line:\n" + "".join(self.log[-40:]))
             time.sleep(0.02)
+        self.ready_line = ready[0]  # kept: the log is a bounded tail
 
     @property
     def log(self) -> list[str]:
@@ -48,6 +60,14 @@ class ServerProcess:
 
     def client(self, **kw) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=60, **kw)
+
+    def server_info(self, timeout: float = 10.0) -> dict:
+        """GET /server_info (with the server's --api-key, if any). Raises httpx.HTTPError."""
+        key = self.args[self.args.index("--api-key") + 1] if "--api-key" in self.args else None
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        resp = httpx.get(self.url + "/server_info", headers=headers, timeout=timeout)
+        resp.raise_for_status()
+        return resp.json()
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
         if self.proc.poll() is None:

@@ -48,7 +48,7 @@ async def admit_completion(manager: TokenizerManager, body: CompletionRequest
             inputs.append(GenerateInput(
                 ids, _params(body, max_tokens, j), return_logprob=want_lp,
                 logprob_start_len=0 if (want_lp and body.echo) else -1,
-                top_logprobs_num=body.logprobs or 0))
+                top_logprobs_num=body.logprobs or 0, max_tokens_given=given is not None))
     for inp in inputs:  # every choice is checked before any is sent
         manager.validate(inp, COMPLETION_NAMES)
     return prompts, inputs
@@ -81,11 +81,12 @@ async def admit_chat(manager: TokenizerManager, body: ChatCompletionRequest
     state = manager.reasoning_state(ids) if body.separate_reasoning else None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
         else body.max_tokens
-    if max_tokens is None:
+    given = max_tokens is not None
+    if not given:
         max_tokens = _default_max_tokens(manager, len(ids))
     inputs = [GenerateInput(ids, _params(body, max_tokens, j, constraint),
                             return_logprob=body.logprobs, top_logprobs_num=body.top_logprobs or 0,
-                            reasoning_state=state, images=image_parts)
+                            reasoning_state=state, images=image_parts, max_tokens_given=given)
               for j in range(body.n)]
     for inp in inputs:
         manager.validate(inp, CHAT_NAMES)

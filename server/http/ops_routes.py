@@ -5,6 +5,8 @@ generation; 503 while the scheduler is down), /metrics (Prometheus text), /model
 
 from __future__ import annotations
 
+import time
+
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from prometheus_client import (
@@ -52,6 +54,9 @@ class ServerMetrics:
                        for k, h in _COUNTERS.items()}
         self.client_aborts = Counter("sgl_client_aborts", "requests aborted by a disconnect",
                                      registry=self.registry)
+        self.unbounded = Gauge("sgl_unbounded_requests_total", "requests that gave no "
+                               "max_tokens (bounded only by the context length)",
+                               registry=self.registry)
         buckets = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
         self.ttft = Histogram("sgl_time_to_first_token_seconds", "time to first token",
                               buckets=buckets, registry=self.registry)
@@ -94,6 +99,7 @@ async def health_generate(request: Request):
 async def metrics(request: Request):
     m: ServerMetrics = request.app.state.metrics
     manager = manager_of(request)
+    m.unbounded.set(manager.unbounded_requests)
     if manager.scheduler_alive:
         info = await manager.server_info()
         for k, g in m.gauges.items():
@@ -125,6 +131,11 @@ async def model_info(request: Request):
 async def server_info(request: Request):
     manager = manager_of(request)
     info = await manager.server_info()
+    now = time.monotonic()
     return {"max_total_tokens": manager.info.max_total_tokens, "metrics": info.metrics,
             "invariant_violations": info.invariant_violations,
-            "invariants_ok": info.invariant_violations == 0, **request.app.state.server_args}
+            "invariants_ok": info.invariant_violations == 0,
+            # the HTTP side's view: requests being served now, and how many ran unbounded
+            "requests": [r.as_dict(now) for r in list(manager.in_flight.values())],
+            "unbounded_requests": manager.unbounded_requests,
+            **request.app.state.server_args}

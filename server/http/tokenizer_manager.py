@@ -71,6 +71,29 @@ class GenerateInput:
     reasoning_state: str | None = None
     # (offset, radix key, encoded bytes) per image, ids already expanded (server.multimodal)
     images: list[tuple[int, int, bytes]] = field(default_factory=list)
+    # False when the client gave no max_tokens and params.max_new_tokens is the rest of the
+    # context (counted: such a request's length is up to the model)
+    max_tokens_given: bool = True
+
+
+@dataclass
+class InFlight:
+    """A request the HTTP process is serving (for /server_info's ``requests``): ``rid``,
+    prompt and output lengths (tokens), its ``max_new_tokens`` and whether the client set it,
+    and ``started`` (time.monotonic(), seconds)."""
+
+    rid: str
+    prompt_tokens: int
+    max_new_tokens: int
+    max_tokens_given: bool
+    started: float
+    completion_tokens: int = 0
+
+    def as_dict(self, now: float) -> dict[str, Any]:
+        return {"rid": self.rid, "prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens,
+                "max_new_tokens": self.max_new_tokens, "max_tokens_given": self.max_tokens_given,
+                "seconds": round(now - self.started, 3)}
 
 
 class TokenizerManager:
@@ -98,6 +121,9 @@ class TokenizerManager:
         self.recv_sock = recv
         self.max_queued_requests = max_queued_requests
         self.queues: dict[str, asyncio.Queue] = {}
+        self.in_flight: dict[str, InFlight] = {}
+        # requests that gave no max_tokens (bounded only by the context) and generated
+        self.unbounded_requests = 0
         self._replies: dict[type, asyncio.Future] = {}
         self._reply_lock = asyncio.Lock()
         self._recv_task: asyncio.Task | None = None
@@ -267,6 +293,8 @@ class TokenizerManager:
             raise ApiError(400, f"duplicate request id {rid!r}", param="rid")
         q: asyncio.Queue = asyncio.Queue()
         self.queues[rid] = q
+        entry = self.in_flight[rid] = InFlight(rid, len(inp.input_ids), inp.params.max_new_tokens,
+                                               inp.max_tokens_given, time.monotonic())
         finished = False
         start = began = time.perf_counter()
         try:
@@ -293,10 +321,13 @@ class TokenizerManager:
                                    type="invalid_request_error" if item.status < 500
                                    else "server_error")
                 item, stop = _with_text(item, text)
+                entry.completion_tokens = item.completion_tokens
                 if stop is not None:  # the scheduler sees ids only: tell it to stop
                     finished = True
                     await self.send_sock.send(P.encode(P.AbortReq(rid, stop=stop)))
                 now = time.perf_counter()
+                if first and not inp.max_tokens_given:  # counted once it generates
+                    self.unbounded_requests += 1
                 self._observe("ttft" if first else "itl", now - start)
                 first, start = False, now
                 if item.finish_reason is not None:
@@ -307,6 +338,7 @@ class TokenizerManager:
                     return
         finally:
             self.queues.pop(rid, None)
+            self.in_flight.pop(rid, None)
             if not finished and self.scheduler_alive:
                 await self.send_sock.send(P.encode(P.AbortReq(rid)))
                 self._observe("abort", 0.0)

@@ -40,17 +40,22 @@ def _stream(url: str, results: list, i: int) -> None:
         results.append((None, repr(exc), time.monotonic()))
 
 
-def _start_streams(url, n):
+def _start_streams(url, n, server=None):
+    """n streaming requests on threads; with ``server``, returns once the server serves all n
+    (its /server_info lists them), so a fault injected next meets them all in flight."""
     results: list = []
     threads = [threading.Thread(target=_stream, args=(url, results, i)) for i in range(n)]
     for t in threads:
         t.start()
+    deadline = time.monotonic() + 30
+    while server is not None and len(server.server_info()["requests"]) < n:
+        assert time.monotonic() < deadline, "the streams never all reached the server"
+        time.sleep(0.05)
     return results, threads
 
 
 def test_scheduler_killed_fails_requests_and_exits_nonzero(server):
-    results, threads = _start_streams(server.url, 16)
-    time.sleep(0.5)
+    results, threads = _start_streams(server.url, 16, server)
     killed_at = time.monotonic()
     os.kill(server.scheduler_pid(), signal.SIGKILL)
     for t in threads:
@@ -70,8 +75,7 @@ def test_scheduler_killed_fails_requests_and_exits_nonzero(server):
 
 
 def test_sigterm_drains_in_flight_streams_then_exits_zero(server):
-    results, threads = _start_streams(server.url, 24)
-    time.sleep(0.5)
+    results, threads = _start_streams(server.url, 24, server)
     server.proc.send_signal(signal.SIGTERM)
     sent_at = time.monotonic()
     for t in threads:
@@ -93,8 +97,7 @@ def test_full_queue_answers_503_with_retry_after(make_tiny_model):
                       "--context-length", "512", "--max-queued-requests", "2",
                       "--max-running-requests", "1")
     try:
-        results, threads = _start_streams(s.url, 2)  # fill the queue with two long streams
-        time.sleep(0.3)
+        results, threads = _start_streams(s.url, 2, s)  # fill the queue with two long streams
         with s.client() as c:
             resp = c.post("/generate", json={"text": "one more"})
         assert resp.status_code == 503 and resp.headers["retry-after"] == "1"

@@ -12,6 +12,8 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
+# fuzzed bodies may leave max_tokens out: the tiny server's 512-token context bounds them
+@pytest.mark.unbounded_ok
 def test_openapi_fuzz_finds_no_server_error(healthy):
     exe = shutil.which("schemathesis", path=sys.prefix + "/bin") or shutil.which("schemathesis")
     assert exe, "schemathesis is a dev dependency"
