@@ -31,28 +31,39 @@ from examples.rag.pipelines import PIPELINES
 from examples.rag.retrieval import Retriever
 
 
-def _cache_counters(base_url: str) -> tuple[int, int]:
-    m = httpx.get(base_url + "/server_info", timeout=30).json()["metrics"]
+def _cache_counters(base_url: str) -> tuple[int, int] | None:
+    """(prompt tokens, cached prompt tokens) so far, or None when the server does not say."""
+    try:
+        m = httpx.get(base_url + "/server_info", timeout=30).json()["metrics"]
+    except (httpx.HTTPError, ValueError, KeyError):
+        return None
     return m["prompt_tokens"], m["cached_prompt_tokens"]
 
 
 def evaluate(pipeline: str, questions, retriever: Retriever, k: int, base_url: str,
              progress: bool = False, grounded: bool = True, **kwargs) -> dict:
     """Run one pipeline; per-question rows and the summary. ``pipeline`` "baseline" is the
-    DSPy program on DSPy's own OpenAI route (``kwargs["lm"]``)."""
+    DSPy program on DSPy's own OpenAI route (``kwargs["lm"]``). Never raises for the
+    pipeline's failures: a question that ended in an error (or every question, when the
+    pipeline itself failed) scores as an empty answer and counts in ``errors``."""
     before = _cache_counters(base_url)
     start = time.perf_counter()
     run = PIPELINES["dspy" if pipeline == "baseline" else pipeline]
-    answers = run(questions, retriever, k, base_url, progress=progress, grounded=grounded,
-                  **kwargs)
+    try:
+        answers = run(questions, retriever, k, base_url, progress=progress, grounded=grounded,
+                      **kwargs)
+    except Exception as exc:  # noqa: BLE001 - the pipeline's row shows it; the run goes on
+        answers = [exc] * len(questions)
     seconds = time.perf_counter() - start
     after = _cache_counters(base_url)
     rows = []
     for q, a in zip(questions, answers):
+        error = f"{type(a).__name__}: {a}" if isinstance(a, Exception) else None
         row = {"id": q.id, "question": q.question, "answer_type": q.answer_type,
-               "gold": list(q.answers), "prediction": a,
+               "gold": list(q.answers), "prediction": "" if error else a, "error": error,
                "retrieved_gold": q.gold_passage_id in {p.id for p in retriever.search(q.question,
                                                                                         k)}}
+        a = row["prediction"]
         if q.answer_type == "span":
             row.update(em=metrics.exact_match(a, q.answers), f1=metrics.f1(a, q.answers))
         else:
@@ -60,9 +71,11 @@ def evaluate(pipeline: str, questions, retriever: Retriever, k: int, base_url: s
         rows.append(row)
     spans = [r for r in rows if r["answer_type"] == "span"]
     yes_no = [r for r in rows if r["answer_type"] == "yes_no"]
-    prompt, cached = after[0] - before[0], after[1] - before[1]
+    prompt, cached = ((after[0] - before[0], after[1] - before[1]) if before and after
+                      else (0, 0))
     summary = {
-        "pipeline": pipeline, "questions": len(rows), "seconds": round(seconds, 1),
+        "pipeline": pipeline, "questions": len(rows),
+        "errors": sum(r["error"] is not None for r in rows), "seconds": round(seconds, 1),
         "questions_per_s": round(len(rows) / seconds, 2),
         "span_em": round(statistics.mean(r["em"] for r in spans), 3) if spans else None,
         "span_f1": round(statistics.mean(r["f1"] for r in spans), 3) if spans else None,
@@ -74,14 +87,15 @@ def evaluate(pipeline: str, questions, retriever: Retriever, k: int, base_url: s
     return {"rows": rows, "summary": summary}
 
 
-COLUMNS = ["pipeline", "questions", "span EM", "span F1", "yes/no acc", "recall@k", "q/s",
-           "cache hit", "seconds"]
+COLUMNS = ["pipeline", "questions", "errors", "span EM", "span F1", "yes/no acc", "recall@k",
+           "q/s", "cache hit", "seconds"]
 
 
 def table_row(summary: dict) -> list[str]:
     def f(v):
         return "-" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)
-    return [summary["pipeline"], str(summary["questions"]), f(summary["span_em"]),
+    return [summary["pipeline"], str(summary["questions"]), str(summary["errors"]),
+            f(summary["span_em"]),
             f(summary["span_f1"]), f(summary["yes_no_accuracy"]), f(summary["retrieval_recall"]),
             f"{summary['questions_per_s']:.2f}", f(summary["cache_hit_rate"]),
             f"{summary['seconds']:.1f}"]

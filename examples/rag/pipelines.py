@@ -1,6 +1,8 @@
 """The three RAG pipelines, each answering a batch of questions through the bundled server.
 
-Each takes (questions, retriever, k, base_url) and returns one answer string per question.
+Each takes (questions, retriever, k, base_url) and returns one answer per question: its text,
+or the exception that question ended with (a parse failure, a refused request), so one bad
+answer never costs the others theirs.
 With ``grounded`` a span answer is constrained to a contiguous word span (at most MAX_WORDS
 words) of one retrieved passage (grounded extraction: ``substring_of`` in the language,
 ``copied_from`` in DSPy, ``bind(substring_of=...)`` in LangChain); without, it is free text.
@@ -32,8 +34,11 @@ def _passages_text(passages) -> str:
     return "\n\n".join(f"[{i + 1}] {p.text}" for i, p in enumerate(passages))
 
 
+Answer = str | Exception
+
+
 def run_sgl(questions: list[Question], retriever: Retriever, k: int, base_url: str,
-            threads: int = 16, progress: bool = False, grounded: bool = True) -> list[str]:
+            threads: int = 16, progress: bool = False, grounded: bool = True) -> list[Answer]:
     import sgl_adapters as sgl
 
     @sgl.function
@@ -66,12 +71,12 @@ def run_sgl(questions: list[Question], retriever: Retriever, k: int, base_url: s
     states = rag.run_batch(args, num_threads=threads, progress_bar=progress, backend=backend,
                            temperature=0)
     backend.shutdown()
-    return [s["answer"].strip() if s.error() is None else "" for s in states]
+    return [s["answer"].strip() if s.error() is None else s.error() for s in states]
 
 
 def run_dspy(questions: list[Question], retriever: Retriever, k: int, base_url: str,
              threads: int = 16, progress: bool = False, lm=None, grounded: bool = True
-             ) -> list[str]:
+             ) -> list[Answer]:
     """``lm``: another dspy.LM to run the same program on (the OpenAI-route baseline);
     default SGLangLM on ``base_url``."""
     import dspy
@@ -100,7 +105,12 @@ def run_dspy(questions: list[Question], retriever: Retriever, k: int, base_url: 
 
         def forward(self, question: str, yes_no: bool):
             context = [p.text for p in retriever.search(question, k)]
-            return (self.yes_no if yes_no else self.span)(context=context, question=question)
+            try:
+                return (self.yes_no if yes_no else self.span)(context=context, question=question)
+            except Exception as exc:  # noqa: BLE001 - counted per question, never fatal
+                # (raised, it would count towards dspy's max_errors, and reaching that cancels
+                # the whole batch: a model whose every answer fails to parse lost the table)
+                return dspy.Prediction(answer=None, error=exc)
 
     lm = lm or SGLangLM(base_url=base_url, temperature=0.0, max_tokens=48, cache=False)
     examples = [dspy.Example(question=q.question, yes_no=q.answer_type == "yes_no")
@@ -108,12 +118,13 @@ def run_dspy(questions: list[Question], retriever: Retriever, k: int, base_url: 
     with dspy.context(lm=lm, adapter=None):
         preds = RAG().batch(examples, num_threads=threads, max_errors=len(examples),
                             provide_traceback=False, disable_progress_bar=not progress)
-    return [str(getattr(p, "answer", "") or "").strip() for p in preds]
+    return [p.error if p.get("error") is not None else str(p.answer or "").strip()
+            for p in preds]
 
 
 def run_langchain(questions: list[Question], retriever: Retriever, k: int, base_url: str,
                   threads: int = 16, progress: bool = False, grounded: bool = True
-                  ) -> list[str]:
+                  ) -> list[Answer]:
     import pydantic
     from langchain_core.output_parsers import StrOutputParser
     from langchain_core.prompts import ChatPromptTemplate
@@ -144,7 +155,7 @@ def run_langchain(questions: list[Question], retriever: Retriever, k: int, base_
         SpanAnswer)
     chains = {False: RunnableLambda(retrieve) | span,
               True: RunnableLambda(retrieve) | prompt | llm.with_structured_output(YesNoAnswer)}
-    answers = [""] * len(questions)
+    answers: list[Answer] = [""] * len(questions)
     bar = None
     if progress:
         from tqdm.auto import tqdm
@@ -155,7 +166,7 @@ def run_langchain(questions: list[Question], retriever: Retriever, k: int, base_
         outs = chain.batch([{"question": questions[i].question} for i in idx],
                            config={"max_concurrency": threads}, return_exceptions=True)
         for i, out in zip(idx, outs):
-            answers[i] = out.answer.strip() if not isinstance(out, Exception) else ""
+            answers[i] = out if isinstance(out, Exception) else out.answer.strip()
         if bar is not None:
             bar.update(len(idx))
     if bar is not None:

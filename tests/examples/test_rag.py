@@ -136,3 +136,28 @@ def test_pypi_path_rebuilds_the_shared_data():
         assert {p.text for p in passages} == {p.text for p in shared_passages}
         ours = {(q.question, q.answers) for q in questions}
         assert all((q.question, q.answers) in ours for q in shared_questions)
+
+
+def test_a_pipeline_whose_every_answer_fails_still_gets_its_row(data_dir, tmp_path, tiny_server):
+    """DSPy's own OpenAI route on the tiny random model: no answer parses (DSPy raises for each
+    question). The row is still there, every question counted as an error; the run goes on."""
+    dspy = pytest.importorskip("dspy")
+    passages, questions = load(data_dir)
+    retriever = Retriever(passages, cache_dir=str(tmp_path))
+    lm = dspy.LM("openai/default", api_base=tiny_server.url + "/v1", api_key="EMPTY",
+                 num_retries=0, cache=False, temperature=0.0, max_tokens=8)
+    result = evaluate("baseline", questions, retriever, 2, tiny_server.url, grounded=False,
+                      lm=lm)
+    summary = result["summary"]
+    assert summary["questions"] == 5 and summary["errors"] == 5
+    assert all(r["prediction"] == "" and r["error"] for r in result["rows"])
+    assert summary["span_f1"] == 0.0 and summary["yes_no_accuracy"] == 0.0
+    row = __import__("examples.rag.__main__", fromlist=["table_row"]).table_row(summary)
+    assert row[2] == "5"  # the errors column
+
+
+def test_a_pipeline_that_cannot_run_at_all_still_gets_its_row(data_dir, tmp_path):
+    passages, questions = load(data_dir)
+    retriever = Retriever(passages, cache_dir=str(tmp_path))
+    result = evaluate("sgl", questions, retriever, 2, "http://127.0.0.1:9")  # nothing listens
+    assert result["summary"]["errors"] == 5 and result["summary"]["cache_hit_rate"] is None
