@@ -40,7 +40,12 @@ import sgl_adapters as sgl
 from sgl_adapters.dspy.lowering import lowered_program, plan_fields
 from sgl_adapters.lang.hints import PrefixHints
 
-DEFAULT_MAX_TOKENS = 256  # per str/JSON field when the call sets no max_tokens
+# When a call sets no max_tokens (DSPy 3.4's ``dspy.LM`` sets none and leaves it to the
+# provider; our server's own default would be the rest of the context): a lowered call bounds
+# each str/JSON field by FIELD_MAX_TOKENS, a chat-route call its whole answer by
+# DEFAULT_MAX_TOKENS (tokens; LangChain's ChatAnthropic default, and ChatSGLang's).
+FIELD_MAX_TOKENS = 256
+DEFAULT_MAX_TOKENS = 1024
 _FINISH = {"stop": "stop", "length": "length", "tool_calls": "tool_call", "abort": "error"}
 
 
@@ -156,7 +161,7 @@ class SGLangEngine:
         sampling = {k: getattr(cfg, k) for k in ("temperature", "top_p", "top_k", "seed",
                                                   "frequency_penalty", "presence_penalty")
                     if getattr(cfg, k, None) is not None and k != "seed"}
-        return lowered_program.run(system, turns, fields, cfg.max_tokens or DEFAULT_MAX_TOKENS,
+        return lowered_program.run(system, turns, fields, cfg.max_tokens or FIELD_MAX_TOKENS,
                                    backend=self.backend, stream=stream, **sampling)
 
     def _run_lowered(self, request, system, turns, fields) -> Response:
@@ -226,9 +231,12 @@ def _logprobs(logprobs: Any) -> tuple | None:
 
 
 def openai_kwargs(request, model: str) -> dict[str, Any]:
+    """The OpenAI chat-completion keywords of a dspy.lm15 Request (sampling, stop, logprobs,
+    response_format, tools); ``max_tokens`` is always set (DEFAULT_MAX_TOKENS when the request
+    has none)."""
     cfg = request.config
-    kw: dict[str, Any] = {"model": model}
-    for name in ("max_tokens", "temperature", "top_p", "seed", "frequency_penalty",
+    kw: dict[str, Any] = {"model": model, "max_tokens": cfg.max_tokens or DEFAULT_MAX_TOKENS}
+    for name in ("temperature", "top_p", "seed", "frequency_penalty",
                  "presence_penalty"):
         if getattr(cfg, name) is not None:
             kw[name] = getattr(cfg, name)

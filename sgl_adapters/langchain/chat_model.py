@@ -15,6 +15,11 @@ with the ``openai`` client. What makes it more than ``ChatOpenAI(base_url=...)``
   answer a contiguous word span of the passages (grounded extraction, an EBNF grammar on the
   server);
   ``regex=``, ``json_schema=`` and ``ebnf=`` bind the other constraints.
+
+Every request carries a ``max_tokens``: the caller's (``max_tokens=`` on the model, or per call),
+else :data:`DEFAULT_MAX_TOKENS`, never "the rest of the context". The public methods take
+``ChatOpenAI``'s arguments; the README's "LangChain" section lists where they differ (pinned by
+``tests/adapters/test_langchain.py``).
 """
 
 from __future__ import annotations
@@ -43,6 +48,11 @@ from sgl_adapters.lang.grounding import substring_grammar
 from sgl_adapters.lang.hints import PrefixHints
 from sgl_adapters.langchain.messages import chunk_from_openai, from_openai, to_openai
 
+# Output tokens of a request whose caller set no max_tokens (ChatAnthropic's long-standing
+# default; ChatOpenAI sends none and OpenAI's server allows the rest of the context, which on a
+# small model that loops means minutes of decoding).
+DEFAULT_MAX_TOKENS = 1024
+
 
 def _api_key_from_env() -> SecretStr | None:
     key = os.environ.get("SGLANG_API_KEY")
@@ -63,7 +73,8 @@ class ChatSGLang(BaseChatModel):
     base_url: str = "http://127.0.0.1:30000"
     api_key: SecretStr | None = Field(default_factory=_api_key_from_env)
     temperature: float | None = None
-    max_tokens: int | None = None
+    max_tokens: int | None = Field(default=DEFAULT_MAX_TOKENS, alias="max_completion_tokens")
+    """Output tokens per request (None: :data:`DEFAULT_MAX_TOKENS`)."""
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
@@ -131,16 +142,16 @@ class ChatSGLang(BaseChatModel):
                                  ls_model_type="chat")
         if self.temperature is not None:
             params["ls_temperature"] = kwargs.get("temperature", self.temperature)
-        if self.max_tokens is not None:
-            params["ls_max_tokens"] = kwargs.get("max_tokens", self.max_tokens)
+        params["ls_max_tokens"] = kwargs.get("max_tokens") or self.max_tokens or DEFAULT_MAX_TOKENS
         if stop or self.stop:
             params["ls_stop"] = stop or self.stop
         return params
 
     # -- requests ------------------------------------------------------------------------------
     def _default_params(self) -> dict[str, Any]:
-        out = {k: getattr(self, k) for k in ("temperature", "max_tokens", "top_p", "seed")
+        out = {k: getattr(self, k) for k in ("temperature", "top_p", "seed")
                if getattr(self, k) is not None}
+        out["max_tokens"] = self.max_tokens or DEFAULT_MAX_TOKENS
         extra = {k: getattr(self, k) for k in ("top_k", "min_p") if getattr(self, k) is not None}
         if extra:
             out["extra_body"] = extra
@@ -156,6 +167,10 @@ class ChatSGLang(BaseChatModel):
                  kwargs: dict[str, Any]) -> dict[str, Any]:
         body = {"model": self.model, **self._default_params(), **kwargs,
                 "messages": [to_openai(m) for m in messages]}
+        if "max_completion_tokens" in body:  # ChatOpenAI's name for it, per call
+            body["max_tokens"] = body.pop("max_completion_tokens")
+        if body.get("max_tokens") is None:
+            body["max_tokens"] = self.max_tokens or DEFAULT_MAX_TOKENS
         if stop or self.stop:
             body["stop"] = stop or self.stop
         if "substring_of" in kwargs:  # grounded extraction: the answer is a span of these texts
@@ -257,10 +272,16 @@ class ChatSGLang(BaseChatModel):
 
     # -- tools and structured output -----------------------------------------------------------
     def bind_tools(self, tools: Sequence[Any], *, tool_choice: str | bool | dict | None = None,
+                   strict: bool | None = None, parallel_tool_calls: bool | None = None,
+                   response_format: Any = None,
                    **kwargs: Any) -> Runnable[LanguageModelInput, BaseMessage]:
-        """Bind tools; ``tool_choice``: "auto", "none", "any"/"required" (some call), a tool
-        name (that call), True (the only tool). Forced calls are grammar-enforced."""
-        formatted = [convert_to_openai_tool(t) for t in tools]
+        """Bind tools, as ``ChatOpenAI.bind_tools``. ``tool_choice``: "auto", "none",
+        "any"/"required" (some call), a tool name (that call), True (the only tool). Forced
+        calls are grammar-enforced whatever ``strict`` says (it is passed on in the tool
+        specs); ``parallel_tool_calls`` is passed on (a forced reply holds one call);
+        ``response_format`` (a schema or an OpenAI response format) constrains replies that
+        are not calls. Raises ValueError for a tool_choice naming no bound tool."""
+        formatted = [convert_to_openai_tool(t, strict=strict) for t in tools]
         if tool_choice is not None:
             names = [t["function"]["name"] for t in formatted]
             if tool_choice is True:
@@ -274,50 +295,50 @@ class ChatSGLang(BaseChatModel):
                     raise ValueError(f"tool_choice {tool_choice!r} is not one of {names}")
                 tool_choice = {"type": "function", "function": {"name": tool_choice}}
             kwargs["tool_choice"] = tool_choice
+        if parallel_tool_calls is not None:
+            kwargs["parallel_tool_calls"] = parallel_tool_calls
+        if response_format is not None:
+            kwargs["response_format"] = _response_format(response_format, strict)
         return super().bind(tools=formatted, **kwargs)
 
-    def with_structured_output(self, schema: Any, *, include_raw: bool = False,
-                               method: Literal["json_schema", "function_calling",
-                                               "json_mode"] = "json_schema",
-                               strict: bool | None = None,
+    def with_structured_output(self, schema: Any = None, *,
+                               method: Literal["function_calling", "json_mode",
+                                               "json_schema"] = "json_schema",
+                               include_raw: bool = False, strict: bool | None = None,
+                               tools: list | None = None,
                                **kwargs: Any) -> Runnable[LanguageModelInput, Any]:
-        """Outputs that always validate: the schema becomes a grammar on the server.
-        ``schema``: pydantic class, TypedDict or JSON-schema dict (None for json_mode).
-        ``json_mode`` always returns valid JSON (a JSON-object grammar) and, given a schema,
-        enforces that schema like ``json_schema`` (only the tracing metadata differs)."""
-        if kwargs:
-            raise ValueError(f"unexpected arguments {sorted(kwargs)}")
+        """Outputs that always validate, as ``ChatOpenAI.with_structured_output``: the schema
+        becomes a grammar on the server. ``schema``: pydantic class, TypedDict or JSON-schema
+        dict (may be None for json_mode, which then returns any JSON object as a dict; given a
+        schema, json_mode enforces it like json_schema). ``kwargs`` are bound to the model.
+        Raises ValueError for a missing schema, ``strict`` with json_mode, an unknown method,
+        or ``tools`` (a reply that is either a call or the schema's object needs a grammar
+        for both; not built yet)."""
+        if tools:
+            raise ValueError("tools alongside structured output are not supported: bind the "
+                             "tools with bind_tools(..., response_format=schema) instead")
+        if method == "json_mode" and strict is not None:
+            raise ValueError("Argument `strict` is not supported with `method`='json_mode'")
+        if method != "json_mode" and schema is None:
+            raise ValueError(f"method={method!r} needs a schema (only json_mode takes None)")
         is_pydantic = isinstance(schema, type) and is_basemodel_subclass(schema)
         if method == "function_calling":
             tool = convert_to_openai_tool(schema)
             name = tool["function"]["name"]
             llm = self.bind_tools([schema], tool_choice=name, ls_structured_output_format={
-                "kwargs": {"method": method, "strict": strict}, "schema": tool})
+                "kwargs": {"method": method, "strict": strict}, "schema": tool}, **kwargs)
             parser: Runnable = (PydanticToolsParser(tools=[schema], first_tool_only=True)
                                 if is_pydantic else
                                 JsonOutputKeyToolsParser(key_name=name, first_tool_only=True))
-        elif method == "json_schema":
-            if schema is None:
-                raise ValueError("method='json_schema' needs a schema")
-            json_schema = (schema.model_json_schema() if hasattr(schema, "model_json_schema")
-                           else convert_to_json_schema(schema))
-            name = json_schema.get("title", "output")
-            llm = self.bind(response_format={"type": "json_schema", "json_schema": {
-                "name": name, "schema": json_schema, "strict": True if strict is None
-                else strict}}, ls_structured_output_format={
-                "kwargs": {"method": method, "strict": strict}, "schema": json_schema})
-            parser = (PydanticOutputParser(pydantic_object=schema) if is_pydantic
-                      else JsonOutputParser())
-        elif method == "json_mode":
-            # valid JSON always (a JSON-object grammar); with a schema, that schema's grammar
-            fmt: dict[str, Any] = {"type": "json_object"}
-            if schema is not None:
-                fmt = {"type": "json_schema", "json_schema": {
-                    "name": "output", "strict": True, "schema": (
-                        schema.model_json_schema() if hasattr(schema, "model_json_schema")
-                        else convert_to_json_schema(schema))}}
+        elif method in ("json_schema", "json_mode"):
+            # json_mode: valid JSON always (a JSON-object grammar); with a schema, its grammar
+            fmt = ({"type": "json_object"} if schema is None
+                   else _response_format(schema, True if strict is None else strict))
             llm = self.bind(response_format=fmt, ls_structured_output_format={
-                "kwargs": {"method": method}, "schema": schema})
+                "kwargs": {"method": method} if method == "json_mode"
+                else {"method": method, "strict": strict},
+                "schema": schema if method == "json_mode"
+                else fmt["json_schema"]["schema"]}, **kwargs)
             parser = (PydanticOutputParser(pydantic_object=schema) if is_pydantic
                       else JsonOutputParser())
         else:
@@ -329,6 +350,32 @@ class ChatSGLang(BaseChatModel):
         fallback = RunnablePassthrough.assign(parsed=lambda _: None)
         return RunnableMap(raw=llm) | parsed.with_fallbacks([fallback],
                                                             exception_key="parsing_error")
+
+    # -- token counting ------------------------------------------------------------------------
+    def get_num_tokens_from_messages(self, messages: Sequence[BaseMessage],
+                                     tools: Sequence[Any] | None = None, *,
+                                     allow_fetching_images: bool = True) -> int:
+        """Prompt tokens of ``messages`` (and ``tools``) as the server counts them: the model's
+        own tokenizer and chat template, from a prefill-only request's usage (its KV stays in
+        the radix cache, so a call that follows pays nothing for the count).
+        ``allow_fetching_images`` is accepted for ChatOpenAI's signature (images are sent as
+        they are). Raises openai.APIError when the server refuses the messages."""
+        body = self._request(list(messages), None, {"max_tokens": 0})
+        if tools:
+            body["tools"] = [convert_to_openai_tool(t) for t in tools]
+        return self.client.chat.completions.create(**body).usage.prompt_tokens
+
+
+def _response_format(schema: Any, strict: bool | None) -> dict[str, Any]:
+    """An OpenAI ``response_format`` (json_schema) for a pydantic class, TypedDict or JSON
+    schema; an OpenAI response format dict is returned as it is."""
+    if isinstance(schema, dict) and schema.get("type") in ("json_schema", "json_object"):
+        return schema
+    json_schema = (schema.model_json_schema() if hasattr(schema, "model_json_schema")
+                   else convert_to_json_schema(schema))
+    return {"type": "json_schema", "json_schema": {
+        "name": json_schema.get("title", "output"), "schema": json_schema,
+        "strict": True if strict is None else strict}}
 
 
 def _merge_chunks(chunks) -> ChatResult:

@@ -97,15 +97,15 @@ def test_few_shot_demos_share_the_prefix(lm):
 
 
 @pytest.mark.slow
-def test_typed_outputs_always_parse_over_100_calls(lm):
+def test_typed_outputs_always_parse_over_48_calls(lm):
     program = dspy.Predict(Typed)
     examples = [dspy.Example(text=f"{TEXTS[i % 4]} (note {i})").with_inputs("text")
-                for i in range(100)]
-    preds = program.batch(examples, num_threads=8, max_errors=0)
-    assert len(preds) == 100
+                for i in range(48)]
+    preds = program.batch(examples, num_threads=12, max_errors=0)
+    assert len(preds) == 48
     for p in preds:
         _assert_typed(p)
-    assert len(lm.history) == 100  # exactly one LM call per example: no fallback calls
+    assert len(lm.history) == 48  # exactly one LM call per example: no fallback calls
 
 
 def test_batch_of_32_computes_the_prefix_once(lm):
@@ -167,12 +167,12 @@ def test_evaluate_small_devset(lm):
 
 
 def test_lowering_off_is_plain_chat_adapter(default_server):
-    from dspy.lm15 import Message, Request
+    from dspy.lm15 import Config, Message, Request
 
     msgs = dspy.ChatAdapter().format(dspy.Signature("question -> answer: Literal['yes', 'no']"),
                                      [], {"question": "Is the sky blue?"})
     request = Request(model="default", system=msgs[0]["content"],
-                      messages=(Message.user(msgs[-1]["content"]),))
+                      messages=(Message.user(msgs[-1]["content"]),), config=Config(max_tokens=48))
     on = SGLangLM(base_url=default_server.url, cache=False, temperature=0.0, max_tokens=48)
     off = SGLangLM(base_url=default_server.url, cache=False, temperature=0.0, max_tokens=48,
                    lowering=False)
@@ -401,3 +401,17 @@ def test_field_by_field_matching_of_one_answer():
             check_field(f, bad)
     with pytest.raises(FieldMismatch, match="confidence"):
         match_markers(text.replace("[[ ## confidence ## ]]", ""), fields)
+
+
+def test_requests_without_max_tokens_get_the_documented_default():
+    """A chat-route call (lowering off, JSONAdapter, tools, backend="openai") that sets no
+    max_tokens is bounded by DEFAULT_MAX_TOKENS, never the server's default of the rest of the
+    context (a lowered call bounds each field by FIELD_MAX_TOKENS)."""
+    from dspy.lm15 import Config, Message, Request
+
+    from sgl_adapters.dspy.engine import DEFAULT_MAX_TOKENS, openai_kwargs
+
+    request = Request(model="default", messages=(Message.user("hi"),))
+    assert openai_kwargs(request, "default")["max_tokens"] == DEFAULT_MAX_TOKENS
+    given = Request(model="default", messages=(Message.user("hi"),), config=Config(max_tokens=7))
+    assert openai_kwargs(given, "default")["max_tokens"] == 7

@@ -9,6 +9,7 @@ import pytest
 pytest.importorskip("langchain_core")
 langchain_tests = pytest.importorskip("langchain_tests")
 
+from langchain_core.exceptions import OutputParserException  # noqa: E402
 from langchain_core.tools import tool  # noqa: E402
 from langchain_tests.integration_tests import ChatModelIntegrationTests  # noqa: E402
 from langchain_tests.unit_tests import ChatModelUnitTests  # noqa: E402
@@ -44,7 +45,7 @@ class TestChatSGLangIntegration(ChatModelIntegrationTests):
 
     @property
     def chat_model_params(self) -> dict:
-        return {"model": "default", "base_url": self.url, "temperature": 0, "max_tokens": 256}
+        return {"model": "default", "base_url": self.url, "temperature": 0, "max_tokens": 128}
 
     @property
     def has_tool_choice(self) -> bool:
@@ -63,17 +64,22 @@ class TestChatSGLangIntegration(ChatModelIntegrationTests):
         return {"invoke": ["cache_read_input"], "stream": ["cache_read_input"]}
 
     # Tests that need more than a 135M model can do. The grammar keeps every token valid JSON,
-    # but greedy SmolLM2-135M repeats itself inside the free-text "setup" string of the suite's
-    # Joke schema ("sampu, sampu, ...") until max_tokens, so the object is cut before
-    # "punchline" (the TypedDict and JSON-schema variants of the same test pass).
-    _LOOPS = ("SmolLM2-135M loops inside the Joke's free-text 'setup' string until max_tokens, "
-              "so the JSON is cut before 'punchline'")
+    # but greedy SmolLM2-135M may repeat itself inside the free-text "setup" string of the
+    # suite's Joke schema ("sampu, sampu, ...") until max_tokens, so the object is cut before
+    # "punchline"; whether it does depends on the CPU class's numerics (bf16 on AVX512-BF16/AMX,
+    # float32 elsewhere). So these are non-strict xfails limited to the suite's assertion and
+    # the parser's error on a cut object: the model may pass or fail the suite's check, but
+    # any other exception (a crash, a 4xx/5xx) still fails the test.
+    _LOOPS = ("SmolLM2-135M may loop inside the Joke's free-text 'setup' string until "
+              "max_tokens, so the JSON is cut before 'punchline'")
+
+    def _may_fail(reason: str):
+        return pytest.mark.xfail(reason=reason, strict=False,
+                                 raises=(AssertionError, OutputParserException))
 
     # The suite wants a method-level xfail with a reason on every override; a condition of
-    # False satisfies it without applying, so each variant carries its own strict xfail (a
-    # variant that starts passing, or one that starts failing, shows).
-    _PYDANTIC_LOOPS = pytest.param("pydantic", marks=pytest.mark.xfail(
-        reason=_LOOPS + " (pydantic variant)", strict=True))
+    # False satisfies it without applying, so each variant carries its own xfail.
+    _PYDANTIC_LOOPS = pytest.param("pydantic", marks=_may_fail(_LOOPS + " (pydantic variant)"))
 
     @pytest.mark.xfail(False, reason="per variant: see the parametrize marks")
     @pytest.mark.parametrize("schema_type", [_PYDANTIC_LOOPS, "typeddict", "json_schema"])
@@ -85,19 +91,18 @@ class TestChatSGLangIntegration(ChatModelIntegrationTests):
     async def test_structured_output_async(self, model, schema_type) -> None:
         await super().test_structured_output_async(model, schema_type)
 
-    @pytest.mark.xfail(reason=_LOOPS, strict=True)
+    @_may_fail(_LOOPS)
     def test_structured_output_pydantic_2_v1(self, model) -> None:
         super().test_structured_output_pydantic_2_v1(model)
 
-    @pytest.mark.xfail(reason=_LOOPS + " (json_mode with the Joke schema enforced)", strict=True)
+    @_may_fail(_LOOPS + " (json_mode with the Joke schema enforced)")
     def test_json_mode(self, model) -> None:
         super().test_json_mode(model)
 
     @pytest.mark.parametrize("model", [{}, {"output_version": "v1"}], indirect=True)
-    @pytest.mark.xfail(reason="with tool_choice='auto' SmolLM2-135M answers 'What is the weather "
-                       "in San Francisco?' in text instead of calling get_weather (forced "
-                       "calls are grammar-enforced and pass: test_tool_calling, tool_choice)",
-                       strict=True)
+    @_may_fail("with tool_choice='auto' SmolLM2-135M may answer 'What is the weather in San "
+               "Francisco?' in text instead of calling get_weather (forced calls are "
+               "grammar-enforced and pass: test_tool_calling, tool_choice)")
     def test_agent_loop(self, model) -> None:
         super().test_agent_loop(model)
 
@@ -163,7 +168,7 @@ def test_structured_output_methods_and_include_raw(llm):
 def test_json_mode_is_valid_json_and_enforces_a_given_schema(llm):
     """json_mode without a schema: always a JSON object; with one: that schema (prompts that
     do not ask for JSON, where a free-running 135M model writes prose)."""
-    free = llm.with_structured_output(None, method="json_mode")
+    free = llm.with_structured_output(method="json_mode")
     for prompt in ("Tell me about Paris.", "Hello!", "Count to three."):
         assert isinstance(free.invoke(prompt), dict)
     class City(pydantic.BaseModel):  # bounded strings: the object completes within max_tokens
@@ -220,10 +225,62 @@ def test_ls_params_honour_a_per_call_model():
     assert params["ls_temperature"] == 0.5 and params["ls_max_tokens"] == 10
 
 
-def test_default_requests_send_no_optional_fields():
+def test_default_requests_send_only_the_default_max_tokens():
+    from sgl_adapters.langchain.chat_model import DEFAULT_MAX_TOKENS
+
+    body = ChatSGLang()._request([], None, {})
+    assert body == {"model": "default", "messages": [], "max_tokens": DEFAULT_MAX_TOKENS}
+
+
+def test_every_request_carries_a_max_tokens():
+    """Never "the rest of the context": the model's max_tokens (also under ChatOpenAI's alias
+    max_completion_tokens), a per-call one, or DEFAULT_MAX_TOKENS (also for an explicit
+    None)."""
+    from sgl_adapters.langchain.chat_model import DEFAULT_MAX_TOKENS
+
+    assert ChatSGLang(max_tokens=None)._request([], None, {})["max_tokens"] == DEFAULT_MAX_TOKENS
+    assert ChatSGLang(max_completion_tokens=12)._request([], None, {})["max_tokens"] == 12
+    llm = ChatSGLang(max_tokens=20)
+    assert llm._request([], None, {})["max_tokens"] == 20
+    assert llm._request([], None, {"max_tokens": 5})["max_tokens"] == 5
+    assert llm._request([], None, {"max_completion_tokens": 6})["max_tokens"] == 6
+    assert llm._get_ls_params()["ls_max_tokens"] == 20
+    assert ChatSGLang()._get_ls_params()["ls_max_tokens"] == DEFAULT_MAX_TOKENS
+
+
+def _params(fn) -> list[tuple[str, str, object]]:
+    import inspect
+
+    return [(p.name, p.kind.name, p.default) for p in inspect.signature(fn).parameters.values()]
+
+
+def test_public_methods_take_chat_openai_arguments():
+    """Every public method ChatSGLang shares with langchain_openai.ChatOpenAI takes the same
+    parameters (names, kinds, defaults; annotations aside). The differences that remain are
+    in the constructor fields, listed in the README's LangChain section."""
+    langchain_openai = pytest.importorskip("langchain_openai")
+    ours, theirs = ChatSGLang, langchain_openai.ChatOpenAI
+    differ = {}
+    for name in sorted(n for n in dir(ours) if not n.startswith("_") and hasattr(theirs, n)):
+        a, b = getattr(ours, name), getattr(theirs, name)
+        if callable(a) and callable(b) and not isinstance(a, type):
+            try:
+                pa, pb = _params(a), _params(b)
+            except (TypeError, ValueError):  # builtins without a signature
+                continue
+            if pa != pb:
+                differ[name] = (pa, pb)
+    assert differ == {}
+
+
+def test_json_mode_without_a_schema_and_its_errors():
     llm = ChatSGLang()
-    body = llm._request([], None, {})
-    assert body == {"model": "default", "messages": []}
+    runnable = llm.with_structured_output(method="json_mode")  # ChatOpenAI's call, schema=None
+    assert runnable.first.kwargs["response_format"] == {"type": "json_object"}
+    with pytest.raises(ValueError, match="needs a schema"):
+        llm.with_structured_output()
+    with pytest.raises(ValueError, match="strict"):
+        llm.with_structured_output(method="json_mode", strict=True)
 
 
 def test_program_runnable_puts_fork_and_select_in_a_chain(tiny_server):
