@@ -121,6 +121,7 @@ class Engine:
                                    seed=self.config.seed, tokenizer=loaded.tokenizer)
         self.eos_ids = frozenset(self._eos_ids())
         self._grammars: GrammarCompiler | None = None
+        self._grammars_lock = threading.Lock()
         self.vision_spec = vision_spec(loaded.vision) if loaded.vision is not None else None
         self._image_processor = None
         self._image_lock = threading.Lock()
@@ -201,10 +202,21 @@ class Engine:
 
     @property
     def grammars(self) -> GrammarCompiler:
-        """The grammar compiler for this model's tokenizer (built on first use)."""
-        if self._grammars is None:
-            self._grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size)
-        return self._grammars
+        """The grammar compiler for this model's tokenizer (built on first use, or ahead of it
+        by :meth:`prepare_grammars`)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size)
+            return self._grammars
+
+    def prepare_grammars(self) -> threading.Thread:
+        """Build the grammar compiler and its JSON mask on a background thread (importing
+        xgrammar, indexing the vocabulary: ~1 s that a server's first constrained request would
+        otherwise wait). Returns the started thread."""
+        thread = threading.Thread(target=lambda: self.grammars.json_safe_mask(),
+                                  name="grammar-prepare", daemon=True)
+        thread.start()
+        return thread
 
     def _eos_ids(self) -> set[int]:
         ids = set(self.arch.eos_token_ids)

@@ -26,11 +26,7 @@ import zmq.asyncio
 
 from server import protocol as P
 from server.config import EngineConfig, HTTPConfig
-from server.http.app import create_app
-from server.http.tokenizer_manager import TokenizerManager
-from server.model.files import load_tokenizer
-from server.multimodal import model_vision_spec
-from server.reasoning import ReasoningParser, ReasoningParserError
+from server.reasoning import ReasoningParserError
 from server.scheduler.entry import run_scheduler
 
 log = logging.getLogger("server.launch")
@@ -66,6 +62,14 @@ async def serve(engine_config: EngineConfig, http: HTTPConfig) -> int:
         target=run_scheduler, args=(engine_config, to_sched, from_sched, http.log_level),
         name="sgl-scheduler")  # not a daemon: it may start tensor-parallel ranks
     proc.start()
+    # The HTTP stack (FastAPI, pydantic schemas, the tokenizer: ~0.9 s) is imported while the
+    # child loads the model, not before the child starts.
+    from server.http.app import create_app
+    from server.http.tokenizer_manager import TokenizerManager
+    from server.model.files import load_tokenizer
+    from server.multimodal import model_vision_spec
+    from server.reasoning import ReasoningParser
+
     exit_code = 0
     try:
         (tokenizer, model_path), ready = await asyncio.gather(

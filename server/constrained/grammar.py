@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -272,11 +273,11 @@ class GrammarCompiler:
         if self._json_safe is None:
             import torch
 
-            safe = torch.zeros(self.vocab_size, dtype=torch.bool)
-            for i, token in enumerate(self.info.decoded_vocab[:self.vocab_size]):
-                raw = token if isinstance(token, bytes) else str(token).encode()
-                safe[i] = not any(b < 0x20 for b in raw)
-            self._json_safe = safe
+            control = re.compile(rb"[\x00-\x1f]")
+            safe = [control.search(t if isinstance(t, bytes) else str(t).encode()) is None
+                    for t in self.info.decoded_vocab[:self.vocab_size]]
+            safe += [False] * (self.vocab_size - len(safe))  # ids past the tokenizer's vocabulary
+            self._json_safe = torch.tensor(safe, dtype=torch.bool)
         return self._json_safe
 
     def matcher(self, spec: GrammarSpec, stop_token_ids: Sequence[int]) -> "Matcher":

@@ -150,7 +150,10 @@ class LlamaForCausalLM(nn.Module):
         self.tp = tp
         self.layer_arch = arch if tp is None else tp.shard.local_arch(arch)
         vocab = arch.vocab_size if tp is None else len(tp.shard.vocab)
-        self.embed_tokens = nn.Embedding(vocab, arch.hidden_size)
+        # _weight: no random init (on the meta device nn.Embedding's normal_ goes through
+        # torch._refs, whose import pulls in torch._dynamo: ~3.5 s of every start)
+        self.embed_tokens = nn.Embedding(vocab, arch.hidden_size,
+                                         _weight=torch.empty(vocab, arch.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(self.layer_arch, i, tp)
                                     for i in range(arch.num_layers))
         self.norm = nn.Parameter(torch.ones(arch.hidden_size))

@@ -47,6 +47,12 @@ def rope_tables(arch: ArchConfig, max_positions: int, freq_factors: torch.Tensor
     ``Phi3LongRoPEScaledRotaryEmbedding``); HF switches the whole sequence to the long factors
     once it is longer, so the two agree on sequences within the original length. ``theta``:
     see :func:`rope_inv_freq`."""
+    with torch.device("cpu"):  # also inside a meta-device model build
+        return _rope_tables(arch, max_positions, freq_factors, theta)
+
+
+def _rope_tables(arch: ArchConfig, max_positions: int, freq_factors: torch.Tensor | None,
+                 theta: float | None) -> tuple[torch.Tensor, torch.Tensor]:
     positions = torch.arange(max_positions, dtype=torch.float32)
     s = arch.rope_scaling
     if theta is None and s is not None and s.rope_type == "longrope":
