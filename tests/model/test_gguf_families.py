@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from server.model.files import gguf_reader
 from server.model.loader import default_model_path, load_model
 from tests.helpers import hf_logits
 from tests.model.test_llama_vs_hf import Harness, _random_seqs
@@ -30,7 +31,7 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def _copy_tokenizer(writer: gguf.GGUFWriter) -> None:
-    reader = gguf.GGUFReader(default_model_path())
+    reader = gguf_reader(default_model_path())
     for key, field in reader.fields.items():
         if not key.startswith("tokenizer."):
             continue

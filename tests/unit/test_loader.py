@@ -60,3 +60,38 @@ def test_gguf_names():
         "model.layers.1.pre_feedforward_layernorm.weight"
     assert gguf_to_hf_name("blk.1.post_ffw_norm.weight", "gemma2") == \
         "model.layers.1.post_feedforward_layernorm.weight"
+
+
+def test_fast_gguf_reader_parses_what_gguf_reader_parses(tmp_path):
+    """Every field (parts, data indices, types, contents) and tensor of a file with scalar,
+    string, empty and nested arrays is what gguf's own reader gives."""
+    import gguf
+
+    from server.model.files import gguf_reader
+
+    path = str(tmp_path / "fields.gguf")
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_array("t.strings", ["", "a", "héllo", "x" * 300])
+    w.add_array("t.ints", [3, -1, 7])
+    w.add_array("t.floats", [0.5, -2.0])
+    w.add_array("t.bools", [True, False])
+    w.add_array("t.empty", [])
+    w.add_array("t.nested", [[1, 2], [3]])
+    w.add_string("t.string", "plain")
+    w.add_uint32("t.u32", 42)
+    w.add_tensor("w", np.arange(12, dtype=np.float32).reshape(3, 4))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    want, got = gguf.GGUFReader(path), gguf_reader(path)
+    assert list(got.fields) == list(want.fields)
+    for name, f in want.fields.items():
+        g = got.fields[name]
+        assert (g.offset, g.data, g.types) == (f.offset, f.data, f.types), name
+        assert len(g.parts) == len(f.parts), name
+        for a, b in zip(g.parts, f.parts):
+            assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b), name
+        assert g.contents() == f.contents(), name
+    assert got.fields["t.strings"].contents() == ["", "a", "héllo", "x" * 300]
+    assert np.array_equal(got.tensors[0].data, want.tensors[0].data)
