@@ -97,29 +97,29 @@ def test_few_shot_demos_share_the_prefix(lm):
 
 
 @pytest.mark.slow
-def test_typed_outputs_always_parse_over_48_calls(lm):
+def test_typed_outputs_always_parse_over_12_calls(lm):
     program = dspy.Predict(Typed)
     examples = [dspy.Example(text=f"{TEXTS[i % 4]} (note {i})").with_inputs("text")
-                for i in range(48)]
+                for i in range(12)]
     preds = program.batch(examples, num_threads=12, max_errors=0)
-    assert len(preds) == 48
+    assert len(preds) == 12
     for p in preds:
         _assert_typed(p)
-    assert len(lm.history) == 48  # exactly one LM call per example: no fallback calls
+    assert len(lm.history) == 12  # exactly one LM call per example: no fallback calls
 
 
-def test_batch_of_32_computes_the_prefix_once(lm):
+def test_batch_of_16_computes_the_prefix_once(lm):
     program = dspy.Predict("question -> answer: Literal['yes', 'no']")
     program.demos = [dspy.Example(question=f"Is {x} a number?", answer="yes" if x.isdigit()
                                   else "no") for x in ("7", "cat", "42", "blue")]
     engine = lm.sglang_engine
     sent = engine.hints.sent
     examples = [dspy.Example(question=f"Is item {i} a number?").with_inputs("question")
-                for i in range(32)]
+                for i in range(16)]
     preds = program.batch(examples, num_threads=8)
     assert all(p.answer in ("yes", "no") for p in preds)
     assert engine.hints.sent == sent + 1  # the shared prefix was hinted once
-    usages = [h["usage"] for h in lm.history[-32:]]
+    usages = [h["usage"] for h in lm.history[-16:]]
     prompt = min(u["prompt_tokens"] for u in usages)
     # Every call, the first ones included, found instructions + skeleton + demos cached: only
     # its last user turn (question and the output-format reminder, ~80 tokens) was new.

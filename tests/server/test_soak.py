@@ -15,7 +15,7 @@ import pytest
 from tests.live_server import ServerProcess, wait_idle
 
 pytestmark = pytest.mark.slow
-SOAK_S = 25.0
+SOAK_S = 15.0
 
 
 @pytest.fixture(scope="module")
