@@ -101,3 +101,12 @@ def wait_idle(server: ServerProcess, timeout: float = 5.0) -> dict:
                     and m["kv_usage"] == 0.0) or time.monotonic() > deadline:
                 return info
             time.sleep(0.05)
+
+
+def assert_healthy(server: ServerProcess) -> None:
+    """/health_generate answers 200, and once idle the KV invariants hold and no KV is held."""
+    with server.client() as c:
+        assert c.get("/health_generate").status_code == 200
+    info = wait_idle(server)
+    assert info["invariants_ok"], info
+    assert info["metrics"]["kv_usage"] == 0.0, info

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.live_server import ServerProcess, wait_idle
+from tests.live_server import ServerProcess, assert_healthy
 
 pytestmark = pytest.mark.slow
 
@@ -24,11 +24,7 @@ def server(make_tiny_model):
     s = ServerProcess("--model", path, "--dtype", "float32", "--max-total-tokens", "8192",
                       "--context-length", "96")
     yield s
-    with s.client() as c:
-        assert c.get("/health_generate").status_code == 200
-    info = wait_idle(s)
-    assert info["invariants_ok"], info
-    assert info["metrics"]["kv_usage"] == 0.0, info
+    assert_healthy(s)
     assert s.stop() == 0, "".join(s.log[-40:])
 
 
