@@ -28,6 +28,7 @@ import time
 import torch
 
 from benchmarks.common import print_table, shared_data_dir
+from kernels.cpu_features import cpu_description
 from server.engine import Engine
 from server.model.forward_batch import ForwardMode
 from server.model.sampling import SamplingParams
@@ -61,9 +62,11 @@ def make_prompts(engine: Engine, texts: list[str], length: int,
 
 
 def run_engine(engine: Engine, prompts: list[list[int]], new_tokens: int,
-               temperature: float = 0.0) -> dict[str, float]:
+               temperature: float = 0.0, whole_batches: bool = True) -> dict[str, float]:
     """Returns prefill and decode tokens/s, counting forward-pass and sampling time per
-    mode."""
+    mode. With ``whole_batches``, raises RuntimeError when a decode step ran fewer than all
+    the prompts (the decode rate would not be the batch's); mixed lengths need it off (with
+    mixed chunks, short prompts decode, and may finish, while long ones still extend)."""
     if len(prompts) != len({tuple(p) for p in prompts}):
         raise ValueError("prompts must be distinct")
     params = SamplingParams(max_new_tokens=new_tokens, temperature=temperature, ignore_eos=True)
@@ -76,7 +79,8 @@ def run_engine(engine: Engine, prompts: list[list[int]], new_tokens: int,
         start = time.perf_counter()
         engine.scheduler.update(batch, engine.runner.forward(batch))
         t[batch.mode] += time.perf_counter() - start
-        if batch.mode is ForwardMode.DECODE and batch.batch_size != len(prompts):
+        if whole_batches and batch.mode is ForwardMode.DECODE \
+                and batch.batch_size != len(prompts):
             raise RuntimeError(f"decode ran at batch {batch.batch_size}, not {len(prompts)}")
         n[batch.mode] += batch.num_tokens
     rate = {m: n[m] / t[m] if t[m] else 0.0 for m in t}
@@ -98,11 +102,13 @@ def hf_decode_rate(model, prompt: list[int], new_tokens: int) -> float:
 
 
 def profile_decode_step(engine: Engine, prompts: list[list[int]]) -> list[list[str]]:
-    """Per-op CPU time of one decode step at batch len(prompts)."""
+    """Per-op CPU time of one decode step at batch len(prompts) (its 10 costliest ops), the
+    ops' total, and the step's wall time unprofiled (the rest is Python between the ops)."""
     params = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)
     for r in [engine.make_request(p, params) for p in prompts]:
         engine.scheduler.add_request(r)
     rows: list[list[str]] = []
+    timed = False
     while engine.scheduler.has_work:
         batch = engine.scheduler.step()
         if batch.mode is ForwardMode.DECODE and not rows:
@@ -113,9 +119,14 @@ def profile_decode_step(engine: Engine, prompts: list[list[int]]) -> list[list[s
             rows = [[e.key, f"{e.self_cpu_time_total / 1e3:.1f}",
                      f"{100 * e.self_cpu_time_total / total:.0f}%", str(e.count)]
                     for e in events[:10]]
-            rows.append(["(total)", f"{total / 1e3:.1f}", "100%", ""])
+            rows.append(["(total of the ops)", f"{total / 1e3:.1f}", "100%", ""])
         else:
+            start = time.perf_counter()
             out = engine.runner.forward(batch)
+            if batch.mode is ForwardMode.DECODE and rows and not timed:
+                timed = True
+                rows.append(["(the next step's wall time, unprofiled)",
+                             f"{(time.perf_counter() - start) * 1e3:.1f}", "", ""])
         engine.scheduler.update(batch, out)
     return rows
 
@@ -148,6 +159,29 @@ def weight_bytes(engine: Engine) -> int:
     return total
 
 
+def long_context(args, device: str, texts: list[str]) -> None:
+    """One stream's decode rate after prompts of each of ``args.context_lengths`` tokens (the
+    texts joined until long enough), and its ratio to the first length's."""
+    lengths = [int(v) for v in args.context_lengths.split(",")]
+    engine = Engine(args.model, device=device, max_total_tokens=max(32768, 2 * max(lengths)),
+                    context_length=max(lengths) + args.new_tokens + 8)
+    joined = "\n\n".join(texts)
+    while len(engine.encode(joined)) < max(lengths):
+        joined += "\n\n" + joined
+    rows, first = [], None
+    for i, n in enumerate(lengths):
+        prompt = make_prompts(engine, [f"{i}\n" + joined], n, 1)[0]
+        run_engine(engine, [prompt], 4)  # warm-up at this length
+        engine.flush_cache()
+        rate = run_engine(engine, [prompt], args.new_tokens)["decode"]
+        engine.flush_cache()
+        first = first or rate
+        rows.append([str(n), f"{rate:.1f}", f"{rate / first:.2f}"])
+    print(f"\nOne stream, {args.new_tokens} new tokens after a prompt of N tokens "
+          f"(dtype {engine.config.model.dtype}, attention {engine.runner.attention.name}):")
+    print_table(["prompt tokens", "decode tok/s", "vs the first"], rows)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="model path (default: embedded SmolLM2)")
@@ -162,6 +196,9 @@ def main() -> None:
                     help="decode sampling temperature (0 = greedy)")
     ap.add_argument("--batches", default=None,
                     help="decode batch sizes (default 1,8,32 on CPU; 1,16,64,256 on CUDA)")
+    ap.add_argument("--context-lengths", default=None,
+                    help="e.g. 256,4096: one stream's decode tok/s after a prompt of each length "
+                         "(printed after the main table)")
     ap.add_argument("--cuda-graph", default="on",
                     help="on, off or on,off: decode through captured CUDA graphs (CUDA only)")
     args = ap.parse_args()
@@ -171,7 +208,8 @@ def main() -> None:
     batches = [int(b) for b in (args.batches or ("1,16,64,256" if cuda else "1,8,32")).split(",")]
     graphs = args.cuda_graph.split(",") if cuda else ["off"]
     device_name = torch.cuda.get_device_name(device) if device.startswith("cuda") else "CPU"
-    print(f"device: {device_name}; copy bandwidth {copy_bandwidth(device):.1f} GB/s")
+    print(f"device: {device_name}; copy bandwidth {copy_bandwidth(device):.1f} GB/s; "
+          f"CPU: {cpu_description()}")
 
     texts, source = load_texts(32)
     print(f"prompts: {source}; torch threads: {torch.get_num_threads()}")
@@ -187,7 +225,8 @@ def main() -> None:
         long_prompts = make_prompts(engine, texts[:8], 512)
         short = make_prompts(engine, texts, 128, top)
         # warm-up: a short and a long prefill and decode (kernels compile on first use)
-        run_engine(engine, short[:2] + make_prompts(engine, texts[8:10], 512), 4)
+        run_engine(engine, short[:2] + make_prompts(engine, texts[8:10], 512), 4,
+                   whole_batches=False)
         engine.flush_cache()  # the short prompts are prefixes of the long ones
         prefill = run_engine(engine, long_prompts, 0)["prefill"]
         decode = {b: run_engine(engine, short[:b], args.new_tokens, args.temperature)["decode"]
@@ -217,12 +256,16 @@ def main() -> None:
                          ""] + [f"{rate:.1f}" if b == 1 else "" for b in batches] + [""])
             del hf
     print_table(header, rows)
+    if args.context_lengths:
+        long_context(args, device, texts)
     if cuda:
         return
     engine = Engine(args.model, max_total_tokens=32768, device=device)
-    prof = profile_decode_step(engine, make_prompts(engine, texts, 128))
-    print(f"\nOne decode step, batch 32, 128-token prompts, dtype {engine.config.model.dtype}:")
-    print_table(["op", "self CPU ms", "share", "calls"], prof)
+    for b in sorted({batches[0], top}):
+        prof = profile_decode_step(engine, make_prompts(engine, texts, 128, b))
+        print(f"\nOne decode step, batch {b}, 128-token prompts, dtype "
+              f"{engine.config.model.dtype}:")
+        print_table(["op", "self CPU ms", "share", "calls"], prof)
 
 
 if __name__ == "__main__":

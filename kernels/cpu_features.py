@@ -78,3 +78,21 @@ def native_bf16(isa: str | None = None) -> bool:
     (batch 1) to 6x (512 rows) faster than fp32 on a 2-core machine; without, bf16 is emulated
     and slower than fp32."""
     return at_least("avx512_bf16", isa)
+
+
+def cpu_description(cpuinfo_path: str = "/proc/cpuinfo") -> str:
+    """One line for benchmark reports: the CPU's model name, its detected class, the
+    vector/matrix flags that decide the class, and the core count torch sees."""
+    name = "unknown CPU"
+    try:
+        with open(cpuinfo_path) as f:
+            for line in f:
+                if line.startswith("model name"):
+                    name = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    flags = cpu_flags(cpuinfo_path)
+    shown = sorted(f for f in flags if f.startswith(("avx", "amx")) or f in ("fma", "f16c"))
+    return (f"{name}; class {detected_isa(cpuinfo_path)} ({' '.join(shown) or 'no AVX'}); "
+            f"{os.cpu_count()} logical CPUs")

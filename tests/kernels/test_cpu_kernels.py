@@ -7,7 +7,14 @@ import pytest
 import torch
 
 from kernels import cpu as native
-from kernels.cpu_features import ISA_LEVELS, at_least, cpu_isa, isa_from_flags, native_bf16
+from kernels.cpu_features import (
+    ISA_LEVELS,
+    at_least,
+    cpu_description,
+    cpu_isa,
+    isa_from_flags,
+    native_bf16,
+)
 from kernels.reference import extend_attention
 from server.model.quantization import quantize_int4, quantize_int8
 
@@ -31,6 +38,17 @@ def test_isa_levels_from_flags_and_the_override(monkeypatch):
     with pytest.raises(ValueError, match="SGL_CPU_ISA"):
         cpu_isa()
     assert at_least("avx2", "amx") and not at_least("avx512", "avx2")
+
+
+def test_cpu_description_names_the_model_class_and_deciding_flags(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Platinum 8480+\n"
+                    "flags\t\t: fpu sse2 avx avx2 fma f16c avx512f avx512bw avx512vl "
+                    "avx512_bf16 amx_bf16 amx_int8 amx_tile\n")
+    line = cpu_description(str(info))
+    assert line.startswith("Intel(R) Xeon(R) Platinum 8480+; class amx (")
+    assert "amx_tile" in line and "avx512_bf16" in line and "sse2" not in line
+    assert "class none (no AVX)" in cpu_description(str(tmp_path / "missing"))
 
 
 def _int4(n: int, k: int, seed: int = 0):
