@@ -1,8 +1,10 @@
-"""Helpers shared by the benchmarks: where the shared data lives, and table printing."""
+"""Helpers shared by the benchmarks: where the shared data lives, table printing, and the
+machine's copy bandwidth."""
 
 from __future__ import annotations
 
 import os
+import time
 from typing import Sequence
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -84,3 +86,21 @@ def optimal_hit_rate(prompts, sequences=()) -> float:
     for prompt, seq in sequences:
         needed.difference_update(nodes(seq, len(prompt)))
     return 1 - len(needed) / total if total else 0.0
+
+
+def copy_bandwidth(device: str, mib: int = 256, repeats: int = 10) -> float:
+    """Measured device copy bandwidth in GB/s (bytes read + written per second) of a
+    ``mib``-MiB tensor copied ``repeats`` times."""
+    import torch
+
+    x = torch.empty(mib << 20, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    y.copy_(x)
+    if x.is_cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        y.copy_(x)
+    if x.is_cuda:
+        torch.cuda.synchronize()
+    return 2 * x.numel() * repeats / (time.perf_counter() - start) / 1e9

@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from benchmarks.common import copy_bandwidth
 from kernels import cpu as native
 from kernels.cpu_features import cpu_description
 from server.model.quantization import quantize_int4, quantize_int8
@@ -35,15 +36,6 @@ def _median_ms(fn, reps: int) -> float:
         fn()
         times.append(time.perf_counter() - t)
     return statistics.median(times) * 1e3
-
-
-def copy_gbps(mib: int = 256, reps: int = 5) -> float:
-    """Read + write bytes per second of a large tensor copy (the memory bandwidth a decode
-    step can hope for), GB/s."""
-    src = torch.empty(mib << 20, dtype=torch.uint8).fill_(1)
-    dst = torch.empty_like(src)
-    ms = _median_ms(lambda: dst.copy_(src), reps)
-    return 2 * src.numel() / ms / 1e6
 
 
 def dense_gflops(n: int = 2048, dtype=torch.float32, reps: int = 5) -> float:
@@ -64,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, args.dtype)
     rows = [int(r) for r in args.rows.split(",")]
     print(f"CPU: {cpu_description()}; torch threads: {torch.get_num_threads()}")
-    bw, peak = copy_gbps(), dense_gflops()
+    bw, peak = copy_bandwidth("cpu"), dense_gflops()
     print(f"copy bandwidth {bw:.1f} GB/s; dense fp32 matmul 2048^3 {peak:.0f} GFLOP/s\n")
     cases = []
     for spec in args.shapes.split(","):

@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from benchmarks.common import print_table, shared_data_dir
+from benchmarks.common import copy_bandwidth, print_table, shared_data_dir
 from kernels.cpu_features import cpu_description
 from server.engine import Engine
 from server.model.forward_batch import ForwardMode
@@ -129,21 +129,6 @@ def profile_decode_step(engine: Engine, prompts: list[list[int]]) -> list[list[s
                              f"{(time.perf_counter() - start) * 1e3:.1f}", "", ""])
         engine.scheduler.update(batch, out)
     return rows
-
-
-def copy_bandwidth(device: str, mib: int = 256, repeats: int = 10) -> float:
-    """Measured device copy bandwidth in GB/s (bytes read + written per second)."""
-    x = torch.empty(mib << 20, dtype=torch.uint8, device=device)
-    y = torch.empty_like(x)
-    y.copy_(x)
-    if x.is_cuda:
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        y.copy_(x)
-    if x.is_cuda:
-        torch.cuda.synchronize()
-    return 2 * x.numel() * repeats / (time.perf_counter() - start) / 1e9
 
 
 def weight_bytes(engine: Engine) -> int:
