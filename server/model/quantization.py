@@ -257,18 +257,10 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        if self.native and (self.dense is None or x.numel() < self.dense_min_rows
-                            * self.in_features):
-            x2 = x.reshape(-1, self.in_features)
-            if x2.dtype not in (torch.float32, torch.bfloat16):
-                x2 = x2.float()
-            x2 = x2.contiguous()
-            if self.kind == "int4":
-                y = torch.ops.sgl_cpu.int4_linear(x2, self.packed, self.out_features)
-            else:
-                y = torch.ops.sgl_cpu.int8_linear(x2, self.packed, self.scales_and_zeros)
-            y = y.to(x.dtype).view(*shape[:-1], self.out_features)
-            return y if self.bias is None else y + self.bias.to(y.dtype)
+        if self.native:
+            dense = self.dense
+            if dense is None or x.numel() < self.dense_min_rows * self.in_features:
+                return self._native_forward(x)
         x2 = x.reshape(-1, self.in_features).to(COMPUTE_DTYPE)
         if self.dense is not None and x2.shape[0] >= self.dense_min_rows:
             y = F.linear(x2, self.dense)
@@ -279,6 +271,26 @@ class QuantLinear(nn.Module):
             y = torch.ops.aten._weight_int8pack_mm(x2, self.packed, self.scales_and_zeros)
         y = y.to(x.dtype).view(*shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def _native_forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The decode path: ~120 calls a step, so no op is issued that would change nothing (a
+        # reshape of a 2-D input, a cast to the same dtype, contiguous() of a contiguous one).
+        two_d = x.dim() == 2
+        x2 = x if two_d else x.reshape(-1, self.in_features)
+        if x2.dtype is not torch.float32 and x2.dtype is not torch.bfloat16:
+            x2 = x2.float()
+        if not x2.is_contiguous():
+            x2 = x2.contiguous()
+        if self.kind == "int4":
+            y = torch.ops.sgl_cpu.int4_linear(x2, self.packed, self.out_features)
+        else:
+            y = torch.ops.sgl_cpu.int8_linear(x2, self.packed, self.scales_and_zeros)
+        if y.dtype is not x.dtype:
+            y = y.to(x.dtype)
+        if not two_d:
+            y = y.view(*x.shape[:-1], self.out_features)
+        bias = self.bias
+        return y if bias is None else y + bias.to(y.dtype)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

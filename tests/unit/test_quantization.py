@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu as native_kernels
 from server.config import ConfigError, ModelConfig
 from server.model.quantization import (
     QuantEmbedding,
@@ -104,6 +105,31 @@ def test_quant_linear_matches_float_matmul_of_the_same_weights(kind, rows):
     assert (y - ref).abs().max() <= 2e-2 * ref.abs().max()
     assert layer(x.bfloat16()).dtype == torch.bfloat16
     assert layer(x.view(1, rows, K)).shape == (1, rows, N)
+
+
+@pytest.mark.skipif(not native_kernels.available(),
+                    reason=f"sgl_cpu kernels: {native_kernels.unavailable_reason()}")
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_native_quant_linear_takes_any_float_input_shape_and_layout(kind):
+    """The native path (kernels.cpu) on 2-D and 3-D, contiguous and strided, float32, bfloat16
+    and float16 inputs: the same values as the float product, the input's dtype and shape."""
+    torch.manual_seed(0)
+    w = torch.from_numpy(_weights())
+    qw = quantize_int4(w) if kind == "int4" else quantize_int8(w)
+    bias = torch.randn(N)
+    layer = QuantLinear(qw, bias, native=True)
+    x = torch.randn(6, K)
+    ref = _linear_ref(x, qw, bias)
+    y = layer(x)
+    tol = 2e-3 if kind == "int4" else 1e-4  # int4 scales and offsets are packed as fp16
+    assert y.dtype == torch.float32 and (y - ref).abs().max() <= tol * ref.abs().max()
+    assert torch.equal(layer(x.view(2, 3, K)), y.view(2, 3, N))
+    strided = torch.randn(K, 6).T  # not contiguous
+    assert torch.equal(layer(strided), layer(strided.contiguous()))
+    for dtype in (torch.bfloat16, torch.float16):
+        out = layer(x.to(dtype))
+        assert out.dtype == dtype and out.shape == (6, N)
+        assert (out.float() - ref).abs().max() <= 2e-2 * ref.abs().max()
 
 
 def test_long_inputs_use_the_dense_bf16_copy_short_ones_the_packed_weight():
