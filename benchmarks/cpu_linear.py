@@ -5,9 +5,11 @@ second against a large dense matmul, for the shapes of a model at several row co
     python -m benchmarks.cpu_linear                      # the default model's shapes (SmolLM2-135M)
     python -m benchmarks.cpu_linear --shapes 2048x2048,2048x16384,8192x2048 --rows 1,16,512
 
-Each shape is [K, N] (in_features x out_features) as int4 (the packed Q4_1 layout) and, with
-``--int8``, as int8. Per cell: milliseconds a call (median of ``--reps``), GB/s of packed weight
-read, and GFLOP/s. The machine's CPU class is printed first.
+Each shape is [K, N] (in_features x out_features) as int4 (the packed Q4_1 layout), then the
+default model's int8 lm_head [576, 49152] unless ``--no-lm-head``. Per cell: milliseconds a
+call (median of ``--reps``), GB/s of packed weight read, and GFLOP/s. The machine's CPU class
+is printed first. Weights are cache-resident when they fit (the same ones every call), so a
+model's real decode, which streams every layer's weights from memory, runs slower.
 """
 
 from __future__ import annotations

@@ -82,7 +82,8 @@ def native_bf16(isa: str | None = None) -> bool:
 
 def cpu_description(cpuinfo_path: str = "/proc/cpuinfo") -> str:
     """One line for benchmark reports: the CPU's model name, its detected class, the
-    vector/matrix flags that decide the class, and the core count torch sees."""
+    vector/matrix flags that decide the class (avx*, amx*, fma, f16c), and the logical CPU
+    count the OS reports. An unreadable ``cpuinfo_path`` gives "unknown CPU; class none"."""
     name = "unknown CPU"
     try:
         with open(cpuinfo_path) as f:
