@@ -175,9 +175,11 @@ class ReferenceAttention:
 
     def store_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         loc = self.inputs.out_cache_loc
-        # index_copy_ takes strided sources as they are: 3x faster than index_put here
-        self.k_buffers[layer].index_copy_(0, loc, k)
-        self.v_buffers[layer].index_copy_(0, loc, v)
+        kb, vb = self.k_buffers[layer], self.v_buffers[layer]
+        # index_copy_ takes strided sources as they are: 3x faster than index_put here; a KV
+        # pool narrower than the compute dtype gets K/V rounded to nearest even (Tensor.to)
+        kb.index_copy_(0, loc, k.to(kb.dtype))
+        vb.index_copy_(0, loc, v.to(vb.dtype))
 
     def attend(self, layer: int, q: torch.Tensor, scale: float, window: int = 0,
                softcap: float = 0.0) -> torch.Tensor:

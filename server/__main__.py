@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
       "route except /health, /health_generate and /metrics")
     a("--dtype", default="auto", help="auto (bf16 on GPUs and CPUs with native bf16, else fp32), "
       "float32, bfloat16 or float16")
+    a("--kv-cache-dtype", default="auto", help="dtype of the KV pool: auto (= --dtype), float32, "
+      "bfloat16 or float16; bfloat16 beside float32 compute halves the bytes attention reads "
+      "and doubles the tokens a memory budget holds (CPU only)")
     a("--device", default="auto", help="auto (cuda when a GPU is visible, else cpu), cpu or "
       "cuda[:N]")
     a("--attention-backend", default="auto", choices=ATTENTION_BACKENDS, help="auto (FlashInfer, "
@@ -122,7 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, HTTPConfig]:
     engine = EngineConfig(
-        model=ModelConfig(path=args.model, dtype=args.dtype, device=args.device,
+        model=ModelConfig(path=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                          device=args.device,
                           context_length=args.context_length,
                           served_model_name=args.served_model_name,
                           attention_backend=args.attention_backend,

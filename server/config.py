@@ -39,6 +39,12 @@ class ModelConfig:
             directory holding one ``.gguf``, or None for the embedded SmolLM2-135M-Instruct.
         dtype: "auto" (bfloat16 on CUDA and on CPUs with native bf16 arithmetic, else float32),
             "float32", "float16" or "bfloat16".
+        kv_cache_dtype: dtype of the KV pool: "auto" (the compute ``dtype``), "float32",
+            "float16" or "bfloat16". A narrower one than ``dtype`` (bfloat16 KV beside float32
+            compute on a CPU without native bf16) halves the bytes attention reads per token and
+            doubles the tokens a memory budget holds; K/V are rounded to it when stored
+            (round-to-nearest-even) and attention still accumulates in float32. CPU only:
+            :func:`resolve` refuses one that differs from ``dtype`` on CUDA.
         device: "auto" (cuda when torch sees a GPU, else cpu), "cpu" or "cuda[:N]".
         attention_backend: "auto" (FlashInfer, else Triton, on CUDA; the native "cpu" kernel
             on CPU where it is built and the CPU class allows, else the reference),
@@ -66,6 +72,7 @@ class ModelConfig:
 
     path: str | None = None
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
     device: str = "cpu"
     context_length: int | None = None
     served_model_name: str | None = None
@@ -84,6 +91,9 @@ class ModelConfig:
                               f"{self.quantization!r}")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ConfigError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in _DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be 'auto' or one of {sorted(_DTYPES)}, got "
+                              f"{self.kv_cache_dtype!r}")
         if self.device != "auto" and not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.cpu_isa not in CPU_ISAS:
@@ -114,6 +124,16 @@ class ModelConfig:
         import torch
 
         return getattr(torch, _DTYPES[self.dtype])
+
+    @property
+    def torch_kv_dtype(self) -> "torch.dtype":  # noqa: F821 - torch is imported lazily
+        """The KV pool's dtype; only valid after :func:`resolve` (kv_cache_dtype != "auto")."""
+        if self.kv_cache_dtype == "auto":
+            raise ConfigError("kv_cache_dtype 'auto' must be resolved first "
+                              "(server.config.resolve)")
+        import torch
+
+        return getattr(torch, _DTYPES[self.kv_cache_dtype])
 
 
 @dataclass(frozen=True)
@@ -297,7 +317,7 @@ def resolve(config: EngineConfig, *, kv_elements_per_token: int, model_context_l
 
     Args:
         kv_elements_per_token: K+V elements one token takes over all layers
-            (2 * layers * kv_heads * head_dim); multiplied by the resolved dtype's size.
+            (2 * layers * kv_heads * head_dim); multiplied by the resolved KV dtype's size.
         model_context_length: the model's own maximum sequence length in tokens.
         available_bytes: memory to size the pool from; None = measured on ``config.model.device``.
         head_dim: the model's attention head size (backends support only some; None = any).
@@ -340,6 +360,12 @@ def resolve(config: EngineConfig, *, kv_elements_per_token: int, model_context_l
     if model.dtype == "auto":
         bf16 = model.device.startswith("cuda") or cpu_native_bf16
         model = dataclasses.replace(model, dtype="bfloat16" if bf16 else "float32")
+    model = dataclasses.replace(model, dtype=_DTYPES[model.dtype], kv_cache_dtype=_DTYPES[
+        model.dtype if model.kv_cache_dtype == "auto" else model.kv_cache_dtype])
+    if model.kv_cache_dtype != model.dtype and model.device.startswith("cuda"):
+        raise ConfigError(f"kv_cache_dtype {model.kv_cache_dtype!r} differs from dtype "
+                          f"{model.dtype!r}: the CUDA attention backends read the KV pool in the "
+                          "compute dtype; leave kv_cache_dtype 'auto' on CUDA")
     if model.torch_compile and model.device == "cpu" and model.attention_backend == "cpu":
         raise ConfigError("torch_compile runs the reference attention on CPU (inductor fuses "
                           "its ops); leave attention_backend 'auto' or 'reference'")
@@ -347,7 +373,7 @@ def resolve(config: EngineConfig, *, kv_elements_per_token: int, model_context_l
         requested = ("reference" if model.torch_compile and model.device == "cpu"
                      and model.attention_backend == "auto" else model.attention_backend)
         backend = resolve_attention_backend(requested, torch.device(model.device),
-                                            model.torch_dtype, head_dim, windowed,
+                                            model.torch_kv_dtype, head_dim, windowed,
                                             cpu_isa=model.cpu_isa)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
@@ -357,7 +383,7 @@ def resolve(config: EngineConfig, *, kv_elements_per_token: int, model_context_l
         raise ConfigError(
             f"context_length {ctx} exceeds the model's maximum {model_context_length}")
     model = dataclasses.replace(model, context_length=ctx)
-    kv_bytes_per_token = kv_elements_per_token * model.torch_dtype.itemsize
+    kv_bytes_per_token = kv_elements_per_token * model.torch_kv_dtype.itemsize
     if cache.max_total_tokens is None:
         avail = available_memory_bytes(model.device) if available_bytes is None else available_bytes
         fraction = cache.mem_fraction or (0.6 if model.device.startswith("cuda") else 0.05)

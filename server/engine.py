@@ -99,7 +99,7 @@ class Engine:
         self.kv_pool = TokenKVPool(cc.max_total_tokens, loaded.arch.num_layers,
                                    len(self.tp.shard.kv_heads) if self.tp
                                    else loaded.arch.num_kv_heads, loaded.arch.head_dim,
-                                   dtype=mc.torch_dtype, device=mc.device)
+                                   dtype=mc.torch_kv_dtype, device=mc.device)
         self.req_table = ReqToTokenTable(sc.max_running_requests, self.context_len, mc.device)
         self.runner = ModelRunner(loaded, self.kv_pool, dtype=mc.torch_dtype, device=mc.device,
                                   max_positions=self.context_len,

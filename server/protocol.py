@@ -84,6 +84,7 @@ class Ready(msgspec.Struct, tag=True):
     context_len: int
     max_total_tokens: int
     dtype: str
+    kv_cache_dtype: str  # the KV pool's
     device: str = "cpu"
     attention_backend: str = "reference"
     quantization: str = "none"  # what the runner kept quantized (QuantReport.summary())

@@ -20,7 +20,8 @@ from kernels.reference import apply_rope, rms_norm
 class CPUAttention:
     """:class:`kernels.base.AttentionBackend` over float32/bfloat16 KV buffers on the CPU
     (``k_buffers[layer]``, ``v_buffers[layer]``: [capacity, num_kv_heads, head_dim], head_dim a
-    multiple of 8 up to 256, at most 16 query heads per KV head)."""
+    multiple of 8 up to 256, at most 16 query heads per KV head); activations float32 or
+    bfloat16, in either KV dtype."""
 
     name = "cpu"
     apply_rope = staticmethod(apply_rope)
@@ -62,7 +63,8 @@ class CPUAttention:
     def rope_store(self, layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    num_q: int, num_kv: int, head_dim: int) -> torch.Tensor:
         """RoPE on the q and k heads of qkv [T, (num_q + 2 num_kv) * head_dim] in place and
-        k, v stored into this layer's pool slots; returns q [T, num_q, head_dim] (a view)."""
+        k, v stored into this layer's pool slots (rounded to nearest even where the pool is
+        narrower than qkv); returns q [T, num_q, head_dim] (a view)."""
         torch.ops.sgl_cpu.rope_store(qkv, cos, sin, num_q, num_kv, head_dim,
                                      self.k_buffers[layer], self.v_buffers[layer],
                                      self.inputs.out_cache_loc)
@@ -70,8 +72,9 @@ class CPUAttention:
 
     def store_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         loc = self.inputs.out_cache_loc
-        self.k_buffers[layer].index_copy_(0, loc, k)
-        self.v_buffers[layer].index_copy_(0, loc, v)
+        kb, vb = self.k_buffers[layer], self.v_buffers[layer]
+        kb.index_copy_(0, loc, k.to(kb.dtype))
+        vb.index_copy_(0, loc, v.to(vb.dtype))
 
     def attend(self, layer: int, q: torch.Tensor, scale: float, window: int = 0,
                softcap: float = 0.0) -> torch.Tensor:

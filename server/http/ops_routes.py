@@ -118,6 +118,7 @@ async def model_info(request: Request):
     return {"model_path": reported_model_path(path) if path else None, "weights_path": path,
             "served_model_name": request.app.state.model_name, "context_len": info.context_len,
             "vocab_size": info.vocab_size, "dtype": info.dtype, "device": info.device,
+            "kv_cache_dtype": info.kv_cache_dtype,
             "attention_backend": info.attention_backend, "quantization": info.quantization,
             "torch_compile": info.compiled, "is_generation": True,
             "is_multimodal": vision is not None,

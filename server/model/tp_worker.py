@@ -164,7 +164,7 @@ def run_worker(rank: int, pc: ParallelConfig, init_addr: str, device: str, threa
     loaded = load_model(mc.path)
     shard = TPShard.plan(loaded.arch, rank, pc.tp_size)
     pool = TokenKVPool(config.cache.max_total_tokens, loaded.arch.num_layers,
-                       len(shard.kv_heads), loaded.arch.head_dim, dtype=mc.torch_dtype,
+                       len(shard.kv_heads), loaded.arch.head_dim, dtype=mc.torch_kv_dtype,
                        device=device)
     runner = ModelRunner(loaded, pool, dtype=mc.torch_dtype, device=device,
                          max_positions=mc.context_length,

@@ -110,11 +110,15 @@ def _pool(capacity: int, hkv: int, d: int, dtype, rows: int = 4, max_len: int = 
 
 
 @needs_native
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype,kv_dtype", [(torch.float32, torch.float32),
+                                            (torch.bfloat16, torch.bfloat16),
+                                            (torch.float32, torch.bfloat16)])
 @pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 4, 32), (8, 1, 128)])
 @pytest.mark.parametrize("window,softcap", [(0, 0.0), (300, 0.0), (0, 20.0)])
-def test_attention_matches_the_reference(dtype, hq, hkv, d, window, softcap):
-    k, v, table = _pool(4096, hkv, d, dtype)
+def test_attention_matches_the_reference(dtype, kv_dtype, hq, hkv, d, window, softcap):
+    """float32 activations over a bfloat16 pool (--kv-cache-dtype bfloat16) included: both
+    sides read the same rounded K/V and accumulate in float32."""
+    k, v, table = _pool(4096, hkv, d, kv_dtype)
     rows, prefix, ext = [0, 2, 3], [0, 700, 1100], [37, 1, 300]
     q = torch.randn(sum(ext), hq, d).to(dtype)
     ref = extend_attention(q, k, v, table, rows, prefix, ext, d ** -0.5, window, softcap)
@@ -122,6 +126,39 @@ def test_attention_matches_the_reference(dtype, hq, hkv, d, window, softcap):
                                       torch.tensor(ext), d ** -0.5, window, softcap)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert out.dtype == dtype and (out.float() - ref.float()).abs().max() < tol
+
+
+@needs_native
+@pytest.mark.parametrize("dtype,kv_dtype", [(torch.float32, torch.float32),
+                                            (torch.bfloat16, torch.bfloat16),
+                                            (torch.float32, torch.bfloat16)])
+def test_rope_store_rotates_like_the_reference_and_rounds_kv_to_the_pool(dtype, kv_dtype):
+    """q and k rotated in place as HF's apply_rope; k, v stored at their slots, rounded to a
+    narrower pool exactly as Tensor.to rounds them (what the reference backend stores)."""
+    from kernels.reference import apply_rope
+
+    torch.manual_seed(0)
+    t, hq, hkv, d = 5, 6, 2, 32
+    qkv = torch.randn(t, (hq + 2 * hkv) * d).to(dtype)
+    angles = torch.randn(t, d // 2)
+    cos = torch.cat([angles.cos()] * 2, -1).to(dtype)
+    sin = torch.cat([angles.sin()] * 2, -1).to(dtype)
+    k_buf = torch.zeros(16, hkv, d, dtype=kv_dtype)
+    v_buf = torch.zeros(16, hkv, d, dtype=kv_dtype)
+    loc = torch.tensor([3, 9, 0, 15, 4])
+    heads = qkv.view(t, hq + 2 * hkv, d)
+    want_q = apply_rope(heads[:, :hq], cos, sin)
+    want_k = apply_rope(heads[:, hq:hq + hkv], cos, sin)
+    want_v = heads[:, hq + hkv:].clone()
+    torch.ops.sgl_cpu.rope_store(qkv, cos, sin, hq, hkv, d, k_buf, v_buf, loc)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert (heads[:, :hq].float() - want_q.float()).abs().max() < tol
+    assert (k_buf[loc].float() - want_k.to(kv_dtype).float()).abs().max() < tol
+    assert torch.equal(k_buf[loc], heads[:, hq:hq + hkv].to(kv_dtype))  # what was rotated
+    assert torch.equal(v_buf[loc], want_v.to(kv_dtype))
+    untouched = torch.ones(16, dtype=torch.bool)
+    untouched[loc] = False
+    assert not k_buf[untouched].any() and not v_buf[untouched].any()
 
 
 @needs_native

@@ -160,3 +160,29 @@ def test_e2e_latency_is_per_request(tiny_engine):
     a, b = tiny_engine.run([long, short])
     assert 0 < b["meta_info"]["e2e_latency"] < a["meta_info"]["e2e_latency"]
     assert all(o["meta_info"]["e2e_latency"] > 0 for o in outs)
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+def test_a_bfloat16_kv_pool_beside_float32_compute(make_tiny_model, tiny_engine, backend):
+    """--kv-cache-dtype bfloat16 with float32 activations: the pool holds bfloat16 K/V (half
+    the bytes a token), prompt logprobs stay within bf16 rounding of the float32 pool's, and a
+    batch still equals one request at a time."""
+    path, _ = make_tiny_model("llama")
+    eng = Engine(path, max_total_tokens=4096, context_length=512, dtype="float32",
+                 kv_cache_dtype="bfloat16", attention_backend=backend)
+    assert eng.kv_pool.k_buffers[0].dtype == torch.bfloat16
+    assert eng.kv_pool.bytes_per_token() * 2 == tiny_engine.kv_pool.bytes_per_token()
+    prompt = _prompts(1, seed=5, lo=60, hi=61)[0]
+    sp = {"max_new_tokens": 1, "temperature": 0}
+    got, want = [e.generate(input_ids=prompt, sampling_params=sp, return_logprob=True,
+                            logprob_start_len=0)["meta_info"]["input_token_logprobs"]
+                 for e in (eng, tiny_engine)]
+    assert [t for _, t, _ in got] == [t for _, t, _ in want]
+    diff = max(abs(a[0] - b[0]) for a, b in zip(got[1:], want[1:]))
+    assert 0 < diff < 0.05  # rounded K/V: close, not identical
+    prompts = _prompts(6, seed=6, hi=80)
+    params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    singles = [eng.generate(input_ids=p, sampling_params=params)["output_ids"] for p in prompts]
+    batched = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=params)]
+    assert batched == singles
+    assert_no_request_memory(eng.cache)

@@ -153,6 +153,7 @@ def test_incremental_streaming_output_sends_only_what_is_new(incremental_server)
 def test_info_routes(c, healthy):
     info = c.get("/model_info").json()
     assert info["context_len"] == 512 and info["is_generation"]
+    assert info["kv_cache_dtype"] == info["dtype"]  # auto: the compute dtype
     assert c.get("/get_model_info").json() == info
     s = c.get("/server_info").json()
     assert s["invariants_ok"] and s["max_total_tokens"] == 4096

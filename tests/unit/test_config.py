@@ -36,6 +36,21 @@ def test_auto_dtype_follows_native_bf16():
     assert resolve(pinned, **kw, cpu_native_bf16=True).model.dtype == "float32"
 
 
+def test_kv_cache_dtype_follows_dtype_or_halves_the_bytes_per_token():
+    kw = dict(kv_elements_per_token=100, model_context_length=2048, available_bytes=400_000,
+              cpu_native_bf16=False)
+    auto = resolve(EngineConfig.from_kwargs(mem_fraction=0.5), **kw)
+    assert auto.model.dtype == auto.model.kv_cache_dtype == "float32"
+    bf16 = resolve(EngineConfig.from_kwargs(mem_fraction=0.5, kv_cache_dtype="bf16"), **kw)
+    assert bf16.model.dtype == "float32" and bf16.model.kv_cache_dtype == "bfloat16"
+    assert bf16.cache.max_total_tokens == 2 * auto.cache.max_total_tokens
+    with pytest.raises(ConfigError, match="kv_cache_dtype"):
+        EngineConfig.from_kwargs(kv_cache_dtype="int3")
+    with pytest.raises(ConfigError, match="CUDA"):  # its attention backends read KV as q
+        resolve(EngineConfig.from_kwargs(device="cuda", dtype="float16",
+                                         kv_cache_dtype="bfloat16", max_total_tokens=64), **kw)
+
+
 def test_cpu_bf16_probe(tmp_path):
     from kernels import cpu_has_native_bf16
 

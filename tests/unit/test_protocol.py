@@ -12,7 +12,7 @@ from server import protocol as P
 @pytest.mark.parametrize("msg", [
     P.GenerateReq("r1", [1, 2, 3], {"max_new_tokens": 4, "stop": ["x"]}, True, 0, 2, "salt"),
     P.AbortReq("r1"), P.FlushCacheReq(), P.ServerInfoReq(),
-    P.Ready("m", 100, 512, 4096, "float32"),
+    P.Ready("m", 100, 512, 4096, "float32", "bfloat16"),
     P.BatchOutput([P.ReqOutput("r1", [5], "hi", {"type": "stop", "matched": 2}, 3, 1, 0,
                                [(-0.5, 5)], [[(-0.5, 5), (-1.0, 6)]], [(None, 1), (-2.0, 2)])]),
     P.ReqError("r1", "bad", "temperature", 400), P.FlushCacheReply(True),

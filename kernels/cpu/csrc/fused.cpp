@@ -80,7 +80,7 @@ at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Ten
 }
 
 // qkv [T, (Hq + 2 Hkv) * D] (q heads, then k heads, then v heads); cos, sin [T, D] in qkv's
-// dtype; k_buf, v_buf [C, Hkv, D]; loc [T] int64. Rotates q and k in place; returns nothing.
+// dtype; k_buf, v_buf [C, Hkv, D] in qkv's dtype, float32 or bfloat16; loc [T] int64. Rotates q and k in place; returns nothing.
 void rope_store(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t num_q,
                 int64_t num_kv, int64_t head_dim, at::Tensor& k_buf, at::Tensor& v_buf,
                 const at::Tensor& loc) {
@@ -90,10 +90,12 @@ void rope_store(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, i
   TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(0) == T && cos.size(1) == D &&
               cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == qkv.scalar_type(),
               "cos and sin must be contiguous [T, head_dim] in qkv's dtype");
-  TORCH_CHECK(k_buf.scalar_type() == qkv.scalar_type() && v_buf.scalar_type() == qkv.scalar_type()
-              && k_buf.is_contiguous() && v_buf.is_contiguous() && k_buf.size(1) == num_kv &&
-              k_buf.size(2) == D, "the KV buffers must be contiguous [C, num_kv, head_dim] in "
-              "qkv's dtype");
+  TORCH_CHECK(k_buf.scalar_type() == v_buf.scalar_type() &&
+              (k_buf.scalar_type() == qkv.scalar_type() || k_buf.scalar_type() == at::kFloat ||
+               k_buf.scalar_type() == at::kBFloat16) &&
+              k_buf.is_contiguous() && v_buf.is_contiguous() && k_buf.size(1) == num_kv &&
+              k_buf.size(2) == D, "the KV buffers must be contiguous [C, num_kv, head_dim], "
+              "both in qkv's dtype, float32 or bfloat16");
   TORCH_CHECK(loc.numel() == T && loc.scalar_type() == at::kLong, "loc must be [T] int64");
   TORCH_CHECK(D % 2 == 0, "head_dim must be even");
   const auto lc = loc.contiguous();
@@ -105,8 +107,21 @@ void rope_store(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, i
     scalar_t* p = qkv.data_ptr<scalar_t>();
     const scalar_t* cp = cos.data_ptr<scalar_t>();
     const scalar_t* sp = sin.data_ptr<scalar_t>();
-    scalar_t* kb = k_buf.data_ptr<scalar_t>();
-    scalar_t* vb = v_buf.data_ptr<scalar_t>();
+    // K/V go to the pool as they are, or rounded to it (float32 -> bfloat16: nearest even,
+    // as Tensor.to) or widened (bfloat16 -> float32, exact) when its dtype differs
+    const auto kv_type = k_buf.scalar_type();
+    auto store = [&](const scalar_t* src, at::Tensor& buf, int64_t slot) {
+      const int64_t n = num_kv * D, off = slot * n;
+      if (kv_type == qkv.scalar_type()) {
+        std::copy(src, src + n, buf.data_ptr<scalar_t>() + off);
+      } else if (kv_type == at::kBFloat16) {
+        c10::BFloat16* dst = buf.data_ptr<c10::BFloat16>() + off;
+        for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<c10::BFloat16>(f(src[i]));
+      } else {
+        float* dst = buf.data_ptr<float>() + off;
+        for (int64_t i = 0; i < n; ++i) dst[i] = f(src[i]);
+      }
+    };
     const int64_t width = (num_q + 2 * num_kv) * D;
     at::parallel_for(0, T, 16, [&](int64_t lo, int64_t hi) {
       for (int64_t t = lo; t < hi; ++t) {
@@ -126,8 +141,8 @@ void rope_store(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, i
             x[i + half] = static_cast<scalar_t>(f(b_cos) + f(a_sin));
           }
         }
-        std::copy(row + num_q * D, row + (num_q + num_kv) * D, kb + lp[t] * num_kv * D);
-        std::copy(row + (num_q + num_kv) * D, row + width, vb + lp[t] * num_kv * D);
+        store(row + num_q * D, k_buf, lp[t]);
+        store(row + (num_q + num_kv) * D, v_buf, lp[t]);
       }
     });
   });
