@@ -33,6 +33,7 @@ namespace {
 
 constexpr int64_t PART = 512;  // positions per partition (one work item)
 constexpr int64_t CHUNK = 32;  // positions per online-softmax step (aligned to multiples of it)
+constexpr int64_t AHEAD = 2 * CHUNK;  // positions between a K/V row's prefetch and its load
 constexpr int64_t TILE = 8;    // query tokens of one sequence per work item
 constexpr int MAX_GROUP = 16;  // query heads per KV head
 constexpr int MAX_D = 256;
@@ -96,6 +97,14 @@ void attend_tile(const float* q, const Row* rows, int nrows, int group, const KV
       }
       const KV* k = kbuf + slots[p] * row_stride;
       const KV* v = vbuf + slots[p] * row_stride;
+      if (p + AHEAD < e) {  // rows scattered by slot index defeat the hardware prefetchers
+        const char* kn = reinterpret_cast<const char*>(kbuf + slots[p + AHEAD] * row_stride);
+        const char* vn = reinterpret_cast<const char*>(vbuf + slots[p + AHEAD] * row_stride);
+        for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(KV)); b += 64) {
+          _mm_prefetch(kn + b, _MM_HINT_T0);
+          _mm_prefetch(vn + b, _MM_HINT_T0);
+        }
+      }
       for (int64_t t = 0; t < nv; ++t) {
         store8(kd + 8 * t, load8(k + 8 * t));
         store8(vd + 8 * t, load8(v + 8 * t));
