@@ -2,10 +2,12 @@
 by :mod:`kernels.cpu.build`), behind a capability probe.
 
 Ops (``torch.ops.sgl_cpu.*``; shapes in each docstring below):
-  * :func:`int4_linear` / :func:`int8_linear`: weight-quantized linear layers on AVX2 integer dot
-    products, activations quantized per token to int8 in blocks of 32 (llama.cpp's Q4_1 x Q8_1
-    and Q8_0 x Q8_0 schemes). A pass's cost stays nearly flat from 1 to ~16 rows (the weights
-    are read once per pass) and every output row is bitwise independent of the other rows.
+  * :func:`int4_linear` / :func:`int8_linear`: weight-quantized linear layers, each weight
+    dequantized to float32 in AVX2 registers and multiplied with the float32 (or widened
+    bfloat16) activations by FMA (``csrc/quant_linear.cpp``); every output row is bitwise
+    independent of the other rows. Integer dot products on int8 activations were measured and
+    not kept on AVX2 (README, "Native CPU linear layers").
+  * ``attention`` and the fused decoder-layer ops: :mod:`kernels.cpu.attention`.
 
 Selection: :func:`unavailable_reason` says why the library cannot be used here (not built, or a
 CPU below AVX2); callers also honour the configured CPU class (``--cpu-isa``, ``SGL_CPU_ISA``:
