@@ -65,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--enable-torch-compile", action="store_true", help="compile the decoder stack with "
       "torch.compile on CPU (first start compiles for ~1-2 min; later starts load the cached "
       "graphs from ~/.cache/sgl-adapters/inductor)")
+    a("--enable-deterministic-inference", action="store_true", help="batch-invariant kernels "
+      "only, so what shares a request's forward pass never changes its tokens or logprobs "
+      "(already so by default on CPUs without native bf16; on bf16/AMX CPUs this turns off the "
+      "dense bf16 weight copies for long extends); CPU, one process, no torch.compile")
     a("--disable-cuda-graph", action="store_true", help="on CUDA, run decode steps eagerly "
       "instead of replaying captured CUDA graphs")
     a("--cuda-graph-max-bs", type=int, default=256, help="largest decode batch replayed from a "
@@ -132,6 +136,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, HTTPConfi
                           attention_backend=args.attention_backend,
                           quantization=args.quantization, cpu_isa=args.cpu_isa,
                           torch_compile=args.enable_torch_compile,
+                          deterministic_inference=args.enable_deterministic_inference,
                           disable_cuda_graph=args.disable_cuda_graph,
                           cuda_graph_max_bs=args.cuda_graph_max_bs),
         cache=CacheConfig(max_total_tokens=args.max_total_tokens, mem_fraction=args.mem_fraction,

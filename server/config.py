@@ -62,6 +62,13 @@ class ModelConfig:
             float checkpoints unchanged), "none" (dequantize to ``dtype``), "int4" or "int8"
             (quantize every linear weight and the token embedding). CPU only: on CUDA
             :func:`resolve` makes "auto" "none" and refuses "int4"/"int8".
+        deterministic_inference: every kernel a pass runs computes a row the same whatever
+            else is in the pass, so batch shape, chunk boundaries, cache hits and verify passes
+            never change a token or logprob. The default already is on CPUs without native
+            bf16 with quantized weights (the native int4/int8 kernels and attention); on the
+            bf16 classes (AVX512-BF16, AMX) this turns off the dense bf16 weight copies that
+            speed up long extends. Refused on CUDA, with torch_compile and with tp_size > 1,
+            whose kernels are not known to be invariant.
         torch_compile: run the decoder stack through torch.compile on CPU
             (:mod:`server.model.compiled`; compiled graphs are cached on disk).
         disable_cuda_graph: on CUDA, run decode steps eagerly instead of replaying CUDA graphs
@@ -80,6 +87,7 @@ class ModelConfig:
     quantization: str = "auto"
     cpu_isa: str = "auto"
     torch_compile: bool = False
+    deterministic_inference: bool = False
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 256
 
@@ -366,6 +374,11 @@ def resolve(config: EngineConfig, *, kv_elements_per_token: int, model_context_l
         raise ConfigError(f"kv_cache_dtype {model.kv_cache_dtype!r} differs from dtype "
                           f"{model.dtype!r}: the CUDA attention backends read the KV pool in the "
                           "compute dtype; leave kv_cache_dtype 'auto' on CUDA")
+    if model.deterministic_inference and (model.device.startswith("cuda") or model.torch_compile
+                                          or config.parallel.tp_size > 1):
+        raise ConfigError("deterministic_inference runs on one CPU process without torch_compile "
+                          "(the CUDA, inductor and tensor-parallel kernels are not known to be "
+                          "batch-invariant)")
     if model.torch_compile and model.device == "cpu" and model.attention_backend == "cpu":
         raise ConfigError("torch_compile runs the reference attention on CPU (inductor fuses "
                           "its ops); leave attention_backend 'auto' or 'reference'")

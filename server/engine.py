@@ -107,7 +107,9 @@ class Engine:
                                   quantization=mc.quantization,
                                   compile=mc.torch_compile,
                                   dense_prefill_rows=(DENSE_PREFILL_ROWS if mc.device == "cpu"
-                                                      and native_bf16(mc.cpu_isa) else None),
+                                                      and native_bf16(mc.cpu_isa)
+                                                      and not mc.deterministic_inference
+                                                      else None),
                                   native_linear=mc.native_cpu_kernels,
                                   cuda_graph_max_bs=(0 if mc.disable_cuda_graph else
                                                      min(mc.cuda_graph_max_bs,

@@ -9,6 +9,19 @@ import torch
 from server.model.loader import default_model_path
 
 TINY_VOCAB = 49152  # the default model's tokenizer vocabulary
+
+
+def _exact_quantization() -> str:
+    from kernels import cpu as native
+
+    return "int4" if native.available() else "none"
+
+
+# The weights of the equality tests (cache on/off, jump-forward and n-gram drafts on/off, chunk
+# sizes, batch composition): quantized as the default model's GGUF weights are (int4 linears,
+# int8 lm_head) on the native CPU kernels, whose rows do not depend on the batch: the
+# configuration users run. Where the kernels are not built, dense weights (torch's fp32 matmul).
+EXACT_QUANTIZATION = _exact_quantization()
 IMAGE_TOKEN = TINY_VOCAB  # "<image>", added to the tiny LLaVA's tokenizer (tiny_llava fixture)
 
 

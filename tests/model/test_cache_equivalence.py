@@ -1,4 +1,5 @@
-"""Radix cache on vs off on a tiny fp32 model: identical greedy outputs (RELIABILITY rule 5).
+"""Radix cache on vs off on a tiny fp32 model, its weights quantized as the default model's are
+(``EXACT_QUANTIZATION``): identical greedy outputs (RELIABILITY rule 5).
 
 The reference is an engine with ``disable_radix_cache=True``; the engine under test warms its
 cache with part of the workload first, so the measured batch mixes hits and misses.
@@ -12,9 +13,10 @@ import random
 import pytest
 
 from server.engine import Engine
-from tests.helpers import assert_no_request_memory
+from tests.helpers import EXACT_QUANTIZATION, assert_no_request_memory
 
 SP = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+EXACT = {"dtype": "float32", "quantization": EXACT_QUANTIZATION, "context_length": 512}
 
 
 def _tokens(rng, n):
@@ -39,7 +41,7 @@ def tiny_path(make_tiny_model):
 
 @pytest.fixture(scope="module")
 def reference(tiny_path):
-    eng = Engine(tiny_path, dtype="float32", context_length=512, max_total_tokens=8192,
+    eng = Engine(tiny_path, **EXACT, max_total_tokens=8192,
                  disable_radix_cache=True)
     prompts = workload()
     outs = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=SP)]
@@ -49,7 +51,7 @@ def reference(tiny_path):
 
 
 def run_cached(path, prompts, **kwargs):
-    eng = Engine(path, dtype="float32", context_length=512,
+    eng = Engine(path, **EXACT,
                  **{"max_total_tokens": 8192, **kwargs})
     warm = prompts[::3]
     eng.generate(input_ids=warm, sampling_params=SP)
@@ -84,7 +86,7 @@ def test_tiny_pool_evicts_and_retracts_without_changing_outputs(tiny_path, refer
 
 def test_fully_repeated_prompt_hits_all_but_one_token(tiny_path, reference):
     prompts, want = reference
-    eng = Engine(tiny_path, dtype="float32", context_length=512, max_total_tokens=8192)
+    eng = Engine(tiny_path, **EXACT, max_total_tokens=8192)
     first = eng.generate(input_ids=prompts[0], sampling_params=SP)
     again = eng.generate(input_ids=prompts[0], sampling_params=SP)
     assert first["output_ids"] == again["output_ids"] == want[0]
@@ -96,8 +98,8 @@ def test_multi_turn_reuses_previous_answer(tiny_path):
     """Turn 2 = turn 1 prompt + its answer + new tokens: the cache covers the answer too."""
     rng = random.Random(5)
     turn1 = _tokens(rng, 40)
-    on = Engine(tiny_path, dtype="float32", context_length=512, max_total_tokens=8192)
-    off = Engine(tiny_path, dtype="float32", context_length=512, max_total_tokens=8192,
+    on = Engine(tiny_path, **EXACT, max_total_tokens=8192)
+    off = Engine(tiny_path, **EXACT, max_total_tokens=8192,
                  disable_radix_cache=True)
     a1 = on.generate(input_ids=turn1, sampling_params=SP)["output_ids"]
     turn2 = turn1 + a1 + _tokens(rng, 10)
@@ -112,7 +114,7 @@ def test_sliding_window_model_cache_on_equals_off(make_tiny_model):
     cache may not evict the shared prefix from under a running request either (small pool)."""
     path = make_tiny_model("gemma3")[0]
     prompts = workload(seed=3)
-    ref = Engine(path, dtype="float32", context_length=512, max_total_tokens=8192,
+    ref = Engine(path, **EXACT, max_total_tokens=8192,
                  disable_radix_cache=True)
     want = [o["output_ids"] for o in ref.generate(input_ids=prompts, sampling_params=SP)]
     for kwargs in ({}, {"chunked_prefill_size": 13},
@@ -127,10 +129,10 @@ def test_host_tier_loads_evicted_prefixes_back_without_changing_outputs(tiny_pat
     as cache hits (tier_loaded_tokens > 0) and greedy outputs equal the cache-off reference."""
     prompts, want = reference
     long_prompts = [p * 3 for p in prompts[:6]]  # >= 2 pages each, sharing the system prefix
-    ref = Engine(tiny_path, dtype="float32", context_length=512, max_total_tokens=8192,
+    ref = Engine(tiny_path, **EXACT, max_total_tokens=8192,
                  disable_radix_cache=True)
     want = [o["output_ids"] for o in ref.generate(input_ids=long_prompts, sampling_params=SP)]
-    eng = Engine(tiny_path, dtype="float32", context_length=512, max_total_tokens=600,
+    eng = Engine(tiny_path, **EXACT, max_total_tokens=600,
                  max_new_tokens_reserve=1, hicache_size=0.01)
     for _ in range(2):
         outs = [eng.generate(input_ids=p, sampling_params=SP) for p in long_prompts]
@@ -146,18 +148,18 @@ def test_cache_dir_survives_a_restart(tiny_path, reference, tmp_path):
     prefixes (cached tokens, identical outputs); one in another dtype ignores them."""
     prompts, want = reference
     p = prompts[0] * 3
-    a = Engine(tiny_path, dtype="float32", context_length=512, max_total_tokens=8192,
+    a = Engine(tiny_path, **EXACT, max_total_tokens=8192,
                cache_dir=str(tmp_path))
     first = a.generate(input_ids=p, sampling_params=SP)
     assert first["meta_info"]["cached_tokens"] == 0
     a.cache.persist()
-    b = Engine(tiny_path, dtype="float32", context_length=512, max_total_tokens=8192,
+    b = Engine(tiny_path, **EXACT, max_total_tokens=8192,
                cache_dir=str(tmp_path))
     again = b.generate(input_ids=p, sampling_params=SP)
     assert again["output_ids"] == first["output_ids"]
     pages = (len(p) - 1) // 64
     assert again["meta_info"]["cached_tokens"] == pages * 64 > 0
-    c = Engine(tiny_path, dtype="bfloat16", context_length=512, max_total_tokens=8192,
+    c = Engine(tiny_path, **{**EXACT, "dtype": "bfloat16"}, max_total_tokens=8192,
                cache_dir=str(tmp_path))
     assert c.generate(input_ids=p, sampling_params=SP)["meta_info"]["cached_tokens"] == 0
     assert len(os.listdir(tmp_path)) == 2  # one directory per model/format

@@ -8,6 +8,7 @@ import pytest
 
 from server.engine import Engine
 from server.scheduler.ngram import prompt_lookup_draft
+from tests.helpers import EXACT_QUANTIZATION
 
 
 def test_proposer_finds_the_latest_earlier_ngram():
@@ -29,12 +30,12 @@ def test_drafts_never_change_outputs(make_tiny_model, sp):
     params = {"max_new_tokens": 24, "ignore_eos": True, **sp}
     outs, passes = {}, {}
     for k in (0, 6):
-        eng = Engine(path, dtype="float32", context_length=256, max_total_tokens=2048,
-                     speculative_ngram=k)
+        eng = Engine(path, dtype="float32", quantization=EXACT_QUANTIZATION,
+                     context_length=256, max_total_tokens=2048, speculative_ngram=k)
 
         def run(batch):
             res = eng.generate(input_ids=batch, sampling_params=params, return_logprob=True)
-            return [(o["output_ids"], [round(lp, 4) for lp, _, _ in
+            return [(o["output_ids"], [lp for lp, _, _ in  # bitwise: rows are batch-invariant
                                        o["meta_info"]["output_token_logprobs"]]) for o in res]
 
         outs[k] = [run([p])[0] for p in prompts] + run(prompts)
@@ -57,8 +58,8 @@ def test_constrained_requests_take_ngram_drafts_the_grammar_accepts(make_tiny_mo
     prompt = [11, 12, 13, 14, 15, 16, 17, 18] * 3
     outs, stats = {}, {}
     for k in (0, 6):
-        eng = Engine(path, dtype="float32", context_length=256, max_total_tokens=2048,
-                     speculative_ngram=k)
+        eng = Engine(path, dtype="float32", quantization=EXACT_QUANTIZATION,
+                     context_length=256, max_total_tokens=2048, speculative_ngram=k)
         outs[k] = eng.generate(input_ids=prompt, sampling_params=params)["output_ids"]
         stats[k] = eng.scheduler.stats
     assert outs[6] == outs[0]

@@ -51,6 +51,17 @@ def test_kv_cache_dtype_follows_dtype_or_halves_the_bytes_per_token():
                                          kv_cache_dtype="bfloat16", max_total_tokens=64), **kw)
 
 
+def test_deterministic_inference_is_refused_where_kernels_are_not_known_invariant():
+    kw = dict(kv_elements_per_token=10, model_context_length=64)
+    ok = resolve(EngineConfig.from_kwargs(deterministic_inference=True, max_total_tokens=64), **kw)
+    assert ok.model.deterministic_inference
+    for bad in ({"device": "cuda", "attention_backend": "reference"}, {"torch_compile": True},
+                {"tp_size": 2, "quantization": "none"}):
+        with pytest.raises(ConfigError, match="deterministic_inference"):
+            resolve(EngineConfig.from_kwargs(deterministic_inference=True, max_total_tokens=64,
+                                             **bad), **kw)
+
+
 def test_cpu_bf16_probe(tmp_path):
     from kernels import cpu_has_native_bf16
 

@@ -1,0 +1,110 @@
+"""Batch invariance (``EXACT_QUANTIZATION``: int4 linears and an int8 lm_head on the native
+CPU kernels, the native attention; float32 activations by default on this CPU class, bf16 ones
+on the bf16 classes with ``deterministic_inference``): a request's
+tokens and logprobs are bitwise those it gets alone, whatever else shares its forward passes,
+in what order it arrives, where chunked prefill cuts it, whether decodes ride along with a
+prefill (mixed chunks), and whether its prefix comes from the radix cache or is recomputed."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from server.engine import Engine
+from tests.helpers import EXACT_QUANTIZATION, assert_no_request_memory
+
+SP = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+CONFIGS = {
+    # the default on CPUs without native bf16 (this class's dtype pinned to keep it so)
+    "default": {"dtype": "float32", "quantization": EXACT_QUANTIZATION},
+    # a bf16/AMX CPU's decisions (bf16 emulated where the CPU lacks it) with the flag that
+    # turns its dense bf16 prefill copies off
+    "bf16 class, deterministic": {"cpu_isa": "amx", "quantization": EXACT_QUANTIZATION,
+                                  "deterministic_inference": True},
+}
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(21)
+    system = [rng.randrange(3, 49152) for _ in range(70)]
+    shared = [system + [rng.randrange(3, 49152) for _ in range(rng.randrange(1, 30))]
+              for _ in range(4)]
+    alone = [[rng.randrange(3, 49152) for _ in range(rng.randrange(2, 90))] for _ in range(4)]
+    return shared + alone
+
+
+def _result(out: dict) -> tuple:
+    meta = out["meta_info"]
+    return (tuple(out["output_ids"]),
+            tuple(lp for lp, _, _ in meta["output_token_logprobs"]),  # exact floats
+            tuple(lp for lp, _, _ in meta["input_token_logprobs"][1:]))
+
+
+class _Setup:
+    """Per configuration: the prompts' results alone (no cache), and one engine per
+    (chunked_prefill_size, mixed_chunk), each built on first use."""
+
+    def __init__(self, path: str, config: dict):
+        self.path, self.config = path, {"context_length": 512, "max_total_tokens": 8192,
+                                        **config}
+        self.prompts = _prompts()
+        solo = Engine(path, disable_radix_cache=True, **self.config)
+        self.solo = [_result(solo.generate(input_ids=p, sampling_params=SP, return_logprob=True,
+                                           logprob_start_len=0)) for p in self.prompts]
+        self.engines: dict[tuple[int, bool], Engine] = {}
+
+    def engine(self, chunk: int, mixed: bool) -> Engine:
+        if (chunk, mixed) not in self.engines:
+            self.engines[chunk, mixed] = Engine(self.path, chunked_prefill_size=chunk,
+                                                mixed_chunk=mixed, **self.config)
+        return self.engines[chunk, mixed]
+
+
+@pytest.fixture(scope="module")
+def setups(make_tiny_model):
+    path, _ = make_tiny_model("llama", seed=4)
+    made: dict[str, _Setup] = {}
+
+    def get(name: str) -> _Setup:
+        if name not in made:
+            made[name] = _Setup(path, CONFIGS[name])
+        return made[name]
+    return get
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+@settings(max_examples=12, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(order=st.permutations(range(8)), size=st.integers(1, 8),
+       chunk=st.sampled_from([5, 16, 1024]), mixed=st.booleans(),
+       warm=st.lists(st.integers(0, 7), max_size=3))
+def test_a_requests_logprobs_do_not_depend_on_its_batch(setups, config, order, size, chunk,
+                                                        mixed, warm):
+    setup = setups(config)
+    eng = setup.engine(chunk, mixed)
+    eng.flush_cache()
+    for i in warm:  # cached prefixes (and whole prompts) for some of the batch
+        eng.generate(input_ids=setup.prompts[i], sampling_params={**SP, "max_new_tokens": 1})
+    picked = list(order[:size])
+    outs = eng.generate(input_ids=[setup.prompts[i] for i in picked], sampling_params=SP,
+                        return_logprob=True, logprob_start_len=0)
+    for i, out in zip(picked, outs):
+        assert _result(out) == setup.solo[i], f"prompt {i} in batch {picked} (chunk {chunk})"
+    eng.scheduler.check_invariants()
+    assert_no_request_memory(eng.cache)
+
+
+def test_the_bf16_class_default_trades_invariance_for_prefill_speed(make_tiny_model):
+    """Without the flag a bf16/AMX CPU runs extends of 64+ tokens on dense bf16 weight copies
+    (oneDNN's AMX GEMM) and shorter ones on the int4 kernel: the same prompt's logprobs then
+    depend on where chunked prefill cuts it. What --enable-deterministic-inference is for."""
+    path, _ = make_tiny_model("llama", seed=4)
+    prompt = _prompts()[0]
+    got = [_result(Engine(path, cpu_isa="amx", quantization="int4", context_length=512,
+                          max_total_tokens=2048, chunked_prefill_size=chunk)
+                   .generate(input_ids=prompt, sampling_params=SP, return_logprob=True,
+                             logprob_start_len=0)) for chunk in (5, 1024)]
+    assert got[0] != got[1]
