@@ -68,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--enable-deterministic-inference", action="store_true", help="batch-invariant kernels "
       "only, so what shares a request's forward pass never changes its tokens or logprobs "
       "(already so by default on CPUs without native bf16; on bf16/AMX CPUs this turns off the "
-      "dense bf16 weight copies for long extends); CPU, one process, no torch.compile")
+      "dense bf16 weight copies for long extends); quantized weights only (dense ones run "
+      "torch's matmuls); CPU, one process, no torch.compile")
     a("--disable-cuda-graph", action="store_true", help="on CUDA, run decode steps eagerly "
       "instead of replaying captured CUDA graphs")
     a("--cuda-graph-max-bs", type=int, default=256, help="largest decode batch replayed from a "

@@ -67,7 +67,9 @@ class ModelConfig:
             never change a token or logprob. The default already is on CPUs without native
             bf16 with quantized weights (the native int4/int8 kernels and attention); on the
             bf16 classes (AVX512-BF16, AMX) this turns off the dense bf16 weight copies that
-            speed up long extends. Refused on CUDA, with torch_compile and with tp_size > 1,
+            speed up long extends. Dense weights (float checkpoints, quantization "none") still
+            run torch's matmuls, which are not invariant (float32 ``F.linear`` rounds 1-5 rows
+            differently from 64). Refused on CUDA, with torch_compile and with tp_size > 1,
             whose kernels are not known to be invariant.
         torch_compile: run the decoder stack through torch.compile on CPU
             (:mod:`server.model.compiled`; compiled graphs are cached on disk).

@@ -80,7 +80,8 @@ at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Ten
 }
 
 // qkv [T, (Hq + 2 Hkv) * D] (q heads, then k heads, then v heads); cos, sin [T, D] in qkv's
-// dtype; k_buf, v_buf [C, Hkv, D] in qkv's dtype, float32 or bfloat16; loc [T] int64. Rotates q and k in place; returns nothing.
+// dtype; k_buf, v_buf [C, Hkv, D] in qkv's dtype, float32 or bfloat16; loc [T] int64. Rotates
+// q and k in place; returns nothing.
 void rope_store(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t num_q,
                 int64_t num_kv, int64_t head_dim, at::Tensor& k_buf, at::Tensor& v_buf,
                 const at::Tensor& loc) {
