@@ -106,7 +106,9 @@ def check_finished(req: Req, tok: int, context_len: int,
     room = min(p.max_new_tokens - len(req.output_ids), context_len - req.fill_len - 1)
     if req.grammar is not None and jump_forward_tokenizer is not None:
         req.draft = draft_tokens(req.grammar, jump_forward_tokenizer, tok, room)
+        req.draft_source = "jump_forward"
     if not req.draft and ngram_tokens:
         draft = prompt_lookup_draft(req.fill_ids, min(room, ngram_tokens))
         req.draft = draft if req.grammar is None else accepted_prefix(req.grammar, draft)
+        req.draft_source = "ngram"
     return None

@@ -69,6 +69,7 @@ class Req:
     num_admissions: int = 0
     grammar: Any = None  # server.constrained.grammar.Matcher for constrained requests
     draft: list[int] = field(default_factory=list)  # forced tokens to verify next pass
+    draft_source: str = ""  # where ``draft`` came from: "jump_forward" or "ngram"
     passed_steps: int = 0  # scheduling steps in which later arrivals were admitted first
     finish_reason: FinishReason | None = None
     arrival_time: float = field(default_factory=time.monotonic)  # seconds, monotonic clock

@@ -48,6 +48,7 @@ from server.model.forward_batch import ForwardBatch, RunnerOutput
 from server.model.sampling import Sampler
 from server.scheduler.admission import StepSharing, WaitingOrder
 from server.scheduler.batches import Plan, build_decode, build_extend
+from server.scheduler.draft_cost import DraftGate
 from server.scheduler.metrics import SchedulerStats, snapshot
 from server.scheduler.outputs import TokenDelta, record_input_logprobs, sample_and_append
 from server.scheduler.request import FinishReason, Req, ReqStatus
@@ -81,6 +82,8 @@ class Scheduler:
         self.reqs: dict[str, Req] = {}
         self.stats = SchedulerStats()
         self._plan: Plan | None = None
+        self.draft_gate = DraftGate()  # keeps a draft only where its verify pass pays
+        self._pass: tuple[int, float] | None = None  # (rows, start) of the pass in flight
 
     # ---------------------------------------------------------------- requests in and out
     def validate(self, req: Req) -> None:
@@ -154,6 +157,7 @@ class Scheduler:
         batch = self._schedule_extend() or self._schedule_decode()
         if batch is not None:
             self.stats.forward_passes += 1
+            self._pass = (int(batch.input_ids.numel()), time.perf_counter())
         return batch
 
     def _reserved(self) -> int:
@@ -311,17 +315,31 @@ class Scheduler:
                 if reason is not None:
                     deltas.append(self._finish(req, reason, [tok]))
                     continue
+                if req.draft and not self._draft_pays(req):
+                    req.draft = []  # the grammar state was restored when the draft was made
                 if req.draft:  # forced tokens: verify them all in one extend pass
                     self.running.remove(req)
                     req.status = ReqStatus.PREFILLING
                     self.prefilling.append(req)
                 deltas.append(TokenDelta(req.rid, [tok]))
+        if self._pass is not None:  # forward + sampling (which waits for a GPU's results)
+            rows, start = self._pass
+            self.draft_gate.costs.record(rows, time.perf_counter() - start)
+            self._pass = None
         return deltas
+
+    def _draft_pays(self, req: Req) -> bool:
+        """Whether ``req``'s fresh draft should be verified next pass (:mod:`draft_cost`): the
+        pass would otherwise run the running requests' one-token rows and the verify rows of
+        the drafts already kept."""
+        rows = (len(self.running) + (req not in self.running)
+                + sum(1 + len(r.draft) for r in self.prefilling if r.draft and r is not req))
+        return self.draft_gate.pays(req.draft_source, max(rows, 1), len(req.draft))
 
     def _verify_draft(self, req: Req, rows: list[int], logits: torch.Tensor) -> TokenDelta:
         """Sample each draft position as plain decoding would; keep drafts while they match
         (see :mod:`server.constrained.jump_forward`). Frees the KV of rejected drafts."""
-        drafts, req.draft = req.draft, []
+        drafts, req.draft, source = req.draft, [], req.draft_source
         produced: list[int] = []
         reason = None
         for i, row in enumerate(rows):
@@ -336,12 +354,15 @@ class Scheduler:
         self.stats.generated_tokens += len(produced)
         self.stats.jump_forward_tokens += len(produced) - 1
         self.stats.draft_tokens += len(drafts)
-        self.stats.accepted_draft_tokens += next(
-            (i for i, (a, b) in enumerate(zip(produced, drafts)) if a != b),
-            min(len(produced), len(drafts)))
+        accepted = next((i for i, (a, b) in enumerate(zip(produced, drafts)) if a != b),
+                        min(len(produced), len(drafts)))
+        self.stats.accepted_draft_tokens += accepted
+        self.draft_gate.observe(source, len(drafts), accepted)
         if reason is not None:
             req.draft = []
             return self._finish(req, reason, produced)
+        if req.draft and not self._draft_pays(req):
+            req.draft = []
         if not req.draft:
             self.prefilling.remove(req)
             req.status = ReqStatus.RUNNING

@@ -74,6 +74,30 @@ def test_forced_runs_take_fewer_forward_passes(make_tiny_model):
     assert on.metrics()["forward_passes"] < off.metrics()["forward_passes"]
 
 
+def test_drafts_are_dropped_where_measured_costs_say_the_verify_pass_loses(make_tiny_model):
+    """The gate (server.scheduler.draft_cost) fed pass costs under which any wider pass loses:
+    it verifies almost no drafts (one refusal in EXPLORE_EVERY still re-measures), takes more
+    passes than an ungated engine, and the outputs stay those of plain decoding."""
+    from server.scheduler.draft_cost import EXPLORE_EVERY
+
+    path, _ = make_tiny_model("llama", seed=11)
+    off, on = _pair(path)
+    gated = _pair(path)[1]
+    gated.scheduler.draft_gate.costs.record(1, 1e-6)  # one request: decodes are 1-row passes
+    for rows in range(2, 300):
+        gated.scheduler.draft_gate.costs.record(rows, 1e3)
+    sp = {"max_new_tokens": 120, "json_schema": SCHEMA, "temperature": 0}
+    prompt = off.encode("Person:")
+    outs = [e.generate(input_ids=prompt, sampling_params=sp)["output_ids"]
+            for e in (off, on, gated)]
+    assert outs[0] == outs[1] == outs[2]
+    gate = gated.scheduler.draft_gate
+    assert gate.dropped > 0 and gate.kept <= gate.dropped // (EXPLORE_EVERY - 1) + 1
+    assert on.scheduler.draft_gate.dropped == 0  # unmeasured wide passes: drafts kept
+    passes = [e.metrics()["forward_passes"] for e in (off, on, gated)]
+    assert passes[1] < passes[2] <= passes[0]
+
+
 def test_draft_round_trips_and_restores_the_matcher(engines):
     eng = engines[1]
     tok = eng.tokenizer

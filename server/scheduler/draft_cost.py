@@ -1,0 +1,86 @@
+"""Whether a draft pays: forward-pass costs measured by row count, and each draft source's
+measured acceptance.
+
+A draft of k tokens (jump-forward's forced tokens, or a prompt-lookup n-gram) turns its
+request's next one-row decode into a verify pass of 1 + k rows. Where every row is computed as a
+one-token step would be (the batch-invariant CPU path), the outputs are the same either way, so
+the choice is cost alone. A pass of ``rows`` rows that would produce ``rows`` tokens produces
+``rows + a`` with the draft (``a`` = expected accepted tokens = acceptance x k) at cost
+``c(rows + k)`` instead of ``c(rows)``; the draft is kept when
+
+    (rows + a) / c(rows + k) > rows / c(rows)
+
+i.e. when it raises the pass's tokens per second. ``c`` is an exponential moving average of
+measured pass seconds per row count (:class:`PassCosts`); a row count not measured yet keeps the
+draft (that pass measures it), and one refused draft in ``EXPLORE_EVERY`` is kept anyway so a
+cost measured on a slow pass (a warm-up, a noisy neighbour) is measured again.
+
+The rule is SGLang's compressed-FSM jump-forward (Zheng et al. 2024, §4) and prompt-lookup
+decoding (Saxena 2023) decided per request from measured costs; the criterion is speculative
+decoding's expected walltime improvement (Leviathan et al. 2023, "Fast Inference from
+Transformers via Speculative Decoding") with measured instead of modelled pass costs.
+"""
+
+from __future__ import annotations
+
+EXPLORE_EVERY = 16  # refused drafts between two kept anyway (re-measuring the wider pass)
+PRIOR = (4.0, 2.0)  # (proposed, accepted) a draft source starts with: acceptance 0.5
+
+
+class PassCosts:
+    """Seconds of a forward pass (scheduling, the pass, sampling) by its number of rows
+    (new tokens), as an exponential moving average with weight ``alpha`` for each new
+    measurement."""
+
+    def __init__(self, alpha: float = 0.25):
+        self.alpha = alpha
+        self._seconds: dict[int, float] = {}
+
+    def record(self, rows: int, seconds: float) -> None:
+        """One pass of ``rows`` rows took ``seconds``."""
+        old = self._seconds.get(rows)
+        self._seconds[rows] = seconds if old is None else old + self.alpha * (seconds - old)
+
+    def cost(self, rows: int) -> float | None:
+        """The average seconds of a ``rows``-row pass, or None if none was measured."""
+        return self._seconds.get(rows)
+
+
+class DraftGate:
+    """Keeps a draft when it raises the pass's tokens per second (module docstring)."""
+
+    def __init__(self, costs: PassCosts | None = None):
+        self.costs = costs or PassCosts()
+        self._counts: dict[str, list[float]] = {}
+        self._refused = 0
+        self.kept = 0
+        self.dropped = 0
+
+    def acceptance(self, source: str) -> float:
+        """Share of the drafted tokens from ``source`` ("jump_forward", "ngram") accepted so
+        far, starting from a prior of 0.5 worth 4 tokens."""
+        proposed, accepted = self._counts.get(source, PRIOR)
+        return accepted / proposed
+
+    def observe(self, source: str, proposed: int, accepted: int) -> None:
+        """A verify pass checked ``proposed`` tokens of ``source``; ``accepted`` were kept."""
+        counts = self._counts.setdefault(source, list(PRIOR))
+        counts[0] += proposed
+        counts[1] += accepted
+
+    def pays(self, source: str, rows: int, k: int) -> bool:
+        """Whether a ``k``-token draft from ``source`` should join a pass that would otherwise
+        run ``rows`` rows (``rows`` >= 1, counting the drafting request's own row)."""
+        base, wide = self.costs.cost(rows), self.costs.cost(rows + k)
+        keep = True
+        if base is not None and wide is not None:
+            expected = self.acceptance(source) * k
+            keep = (rows + expected) * base > rows * wide
+            if not keep:
+                self._refused += 1
+                keep = self._refused % EXPLORE_EVERY == 0
+        if keep:
+            self.kept += 1
+        else:
+            self.dropped += 1
+        return keep

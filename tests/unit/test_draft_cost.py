@@ -1,0 +1,43 @@
+"""The draft gate's arithmetic: keep a draft when (rows + expected accepted) / c(rows + k)
+beats rows / c(rows), on measured costs and measured acceptance."""
+
+from __future__ import annotations
+
+from server.scheduler.draft_cost import EXPLORE_EVERY, DraftGate, PassCosts
+
+
+def test_pass_costs_average_new_measurements():
+    c = PassCosts(alpha=0.5)
+    assert c.cost(4) is None
+    c.record(4, 2.0)
+    c.record(4, 4.0)
+    assert c.cost(4) == 3.0 and c.cost(5) is None
+
+
+def test_an_unmeasured_width_keeps_the_draft_so_it_gets_measured():
+    gate = DraftGate()
+    assert gate.pays("ngram", 4, 8)
+    gate.costs.record(4, 0.010)
+    assert gate.pays("ngram", 4, 8)  # c(12) still unknown
+    assert gate.kept == 2 and gate.dropped == 0
+
+
+def test_the_criterion_weighs_cost_against_expected_acceptance():
+    gate = DraftGate()
+    gate.costs.record(1, 0.010)
+    gate.costs.record(9, 0.030)  # 3x the cost for 1 + 8 rows
+    # prior acceptance 0.5: 1 + 4 expected tokens for 3x the cost pays
+    assert gate.acceptance("ngram") == 0.5 and gate.pays("ngram", 1, 8)
+    gate.observe("ngram", 96, 0)  # nothing accepted since: 2/100
+    assert gate.acceptance("ngram") == 0.02
+    assert not gate.pays("ngram", 1, 8)  # 1.16 tokens for 3x the cost
+    gate.observe("jump_forward", 100, 100)  # forced tokens: nearly all kept
+    assert gate.pays("jump_forward", 1, 8)
+
+
+def test_one_refusal_in_explore_every_is_kept_to_remeasure():
+    gate = DraftGate()
+    gate.costs.record(2, 0.01)
+    gate.costs.record(6, 1.0)
+    decisions = [gate.pays("ngram", 2, 4) for _ in range(3 * EXPLORE_EVERY)]
+    assert sum(decisions) == 3 and decisions[EXPLORE_EVERY - 1]
