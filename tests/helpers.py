@@ -9,6 +9,7 @@ import torch
 from server.model.loader import default_model_path
 
 TINY_VOCAB = 49152  # the default model's tokenizer vocabulary
+IMAGE_TOKEN = TINY_VOCAB  # "<image>", added to the tiny LLaVA's tokenizer (tiny_llava fixture)
 
 
 def _exact_quantization() -> str:
@@ -22,7 +23,6 @@ def _exact_quantization() -> str:
 # int8 lm_head) on the native CPU kernels, whose rows do not depend on the batch: the
 # configuration users run. Where the kernels are not built, dense weights (torch's fp32 matmul).
 EXACT_QUANTIZATION = _exact_quantization()
-IMAGE_TOKEN = TINY_VOCAB  # "<image>", added to the tiny LLaVA's tokenizer (tiny_llava fixture)
 
 
 def tiny_config(kind: str = "llama", **overrides):
