@@ -162,10 +162,12 @@ def test_rope_store_rotates_like_the_reference_and_rounds_kv_to_the_pool(dtype, 
 
 
 @needs_native
-def test_attention_of_a_token_is_the_same_in_decode_and_in_any_extend():
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_attention_of_a_token_is_the_same_in_decode_and_in_any_extend(kv_dtype):
     """Bitwise: token p of a sequence computed in a long extend, in a short extend over the
-    cached prefix, and as a decode step beside other sequences."""
-    k, v, table = _pool(4096, 3, 64, torch.float32)
+    cached prefix, and as a decode step beside other sequences (with a bf16 pool, a decode reads
+    K/V rows in place while an extend tile stages them as float32: the same bits either way)."""
+    k, v, table = _pool(4096, 3, 64, kv_dtype)
     q = torch.randn(1200, 9, 64)
     scale = 0.125
 

@@ -10,8 +10,10 @@
 // Fixed partitions (flash-decoding, Dao et al. 2023): positions are cut into partitions of
 // PART positions counted from 0; each (tile of up to TILE query tokens of one sequence, KV
 // head, partition) is one work item running an online softmax (Milakov & Gimelshein 2018) over
-// chunks of CHUNK positions, whose K/V rows are read once for the tile, and each token's
-// partials are merged in partition order. A long single sequence thus spreads over every core, and
+// chunks of CHUNK positions, whose K/V rows are read once for the tile (in place, or staged as
+// float32 where many units share them), their scores computed four (token, head) units per K
+// row and their P.V sums three units per V row, and each token's partials are merged in
+// partition order. A long single sequence thus spreads over every core, and
 // because the cuts depend only on positions, a token's output is bitwise the same whatever
 // else is in the batch, however many threads run, and whether it is computed in a decode step
 // or in an extend pass.
@@ -67,15 +69,161 @@ struct Row {          // one query token of a tile
   float* out;         // its partial for this partition: per query head m, l, acc[D]
 };
 
+// Rows of one chunk: for each of its CHUNK positions, the K and V rows (float32 or bfloat16,
+// [D] each), or nullptr for positions outside [a, e) (their scores are masked, they add nothing).
+template <typename T>
+struct ChunkRows {
+  const T* k[CHUNK];
+  const T* v[CHUNK];
+  const char* ahead[CHUNK][2];  // K and V rows AHEAD positions on, to prefetch (or nullptr)
+  int64_t ahead_bytes;          // bytes per such row
+};
+
+// Scores of U (query token, head) units over one chunk: sc[u][j] = q[u] . k[j] (0 for missing
+// rows). Each K row is converted once for the U units; every dot is one fixed chain (a multiply,
+// then one FMA per 8 dims in order) reduced by reduce8, so a unit's scores are bitwise the same
+// whatever units it is blocked with and whether its rows were staged as float32 or read in place.
+template <int U, int NV, typename T>
+inline void qk_block(const float* const* q, const ChunkRows<T>& rows, __m256 (*sc)[CHUNK / 8]) {
+  alignas(32) float dots[U][8][8];
+  for (int v = 0; v < CHUNK / 8; ++v) {
+    for (int j = 0; j < 8; ++j) {
+      const T* k = rows.k[8 * v + j];
+      // rows scattered by slot index defeat the hardware prefetchers; prefetching one position
+      // per K row read spreads the misses over the compute instead of bursting them
+      for (int i = 0; i < 2; ++i)
+        if (const char* nx = rows.ahead[8 * v + j][i])
+          for (int64_t b = 0; b < rows.ahead_bytes; b += 64) _mm_prefetch(nx + b, _MM_HINT_T0);
+      __m256 d[U];
+      if (k == nullptr) {
+        for (int u = 0; u < U; ++u) d[u] = _mm256_setzero_ps();
+      } else {
+        const __m256 k0 = load8(k);
+        for (int u = 0; u < U; ++u) d[u] = _mm256_mul_ps(_mm256_loadu_ps(q[u]), k0);
+        for (int t = 1; t < NV; ++t) {
+          const __m256 kt = load8(k + 8 * t);
+          for (int u = 0; u < U; ++u) d[u] = _mm256_fmadd_ps(_mm256_loadu_ps(q[u] + 8 * t), kt, d[u]);
+        }
+      }
+      for (int u = 0; u < U; ++u) _mm256_store_ps(dots[u][j], d[u]);
+    }
+    for (int u = 0; u < U; ++u) {
+      __m256 dv[8];
+      for (int j = 0; j < 8; ++j) dv[j] = _mm256_load_ps(dots[u][j]);
+      sc[u][v] = reduce8(dv);
+    }
+  }
+}
+
+// acc[u][0 .. 8W) = acc * corr[u] + sum_j p[u][j] * v[j][0 .. 8W) over one chunk (missing rows
+// skipped: their p is 0), for U units at once: the units share each V row, and their U x W
+// accumulators are independent FMA chains, so the loop runs at the FMA units' throughput rather
+// than one chain's latency. Each accumulator's arithmetic (the rescale, then one FMA per
+// position in order) is the same whatever units it is blocked with.
+template <int U, int W, typename T>
+inline void pv_block(float* const* acc, const float* const* p, const float* corr,
+                     const ChunkRows<T>& rows, int64_t d0) {
+  __m256 a[U][W];
+  for (int u = 0; u < U; ++u) {
+    const __m256 c = _mm256_set1_ps(corr[u]);
+    for (int w = 0; w < W; ++w) a[u][w] = _mm256_mul_ps(_mm256_loadu_ps(acc[u] + d0 + 8 * w), c);
+  }
+  for (int64_t j = 0; j < CHUNK; ++j) {
+    const T* vrow = rows.v[j];
+    if (vrow == nullptr) continue;
+    __m256 vv[W];
+    for (int w = 0; w < W; ++w) vv[w] = load8(vrow + d0 + 8 * w);
+    for (int u = 0; u < U; ++u) {
+      const __m256 pj = _mm256_broadcast_ss(p[u] + j);
+      for (int w = 0; w < W; ++w) a[u][w] = _mm256_fmadd_ps(pj, vv[w], a[u][w]);
+    }
+  }
+  for (int u = 0; u < U; ++u)
+    for (int w = 0; w < W; ++w) _mm256_storeu_ps(acc[u] + d0 + 8 * w, a[u][w]);
+}
+
+template <int U, typename T>
+inline void pv_units(float* const* acc, const float* const* p, const float* corr,
+                     const ChunkRows<T>& rows, int64_t D) {
+  // U x W accumulators + W V vectors + a broadcast within AVX2's 16 registers
+  constexpr int W = U == 1 ? 4 : U == 2 ? 4 : 3;
+  for (int64_t d0 = 0; d0 < D; d0 += 8 * W) {
+    switch (std::min<int64_t>(W, (D - d0) / 8)) {
+      case 4: pv_block<U, 4 <= W ? 4 : W>(acc, p, corr, rows, d0); break;
+      case 3: pv_block<U, 3>(acc, p, corr, rows, d0); break;
+      case 2: pv_block<U, 2>(acc, p, corr, rows, d0); break;
+      default: pv_block<U, 1>(acc, p, corr, rows, d0); break;
+    }
+  }
+}
+
+// One chunk of the online softmax for `units` (query token, head) units: scores (qk_block, four
+// units per K row conversion), each unit's running max / sum update and probabilities, then the
+// P.V sums (pv_units, three units per V row conversion).
+template <int NV, typename T>
+void attend_chunk(const ChunkRows<T>& rows, int units, const float* const* q, float* const* out,
+                  const __m256* const* valid, float softcap, float* prs) {
+  constexpr int64_t D = 8 * NV;
+  __m256 sc[4][CHUNK / 8];
+  float* accs[TILE * MAX_GROUP];
+  const float* ps[TILE * MAX_GROUP];
+  float corrs[TILE * MAX_GROUP];
+  for (int u0 = 0; u0 < units; u0 += 4) {
+    const int n = std::min(4, units - u0);
+    switch (n) {
+      case 4: qk_block<4, NV>(q + u0, rows, sc); break;
+      case 3: qk_block<3, NV>(q + u0, rows, sc); break;
+      case 2: qk_block<2, NV>(q + u0, rows, sc); break;
+      default: qk_block<1, NV>(q + u0, rows, sc); break;
+    }
+    for (int i = 0; i < n; ++i) {
+      const int u = u0 + i;
+      for (int v = 0; v < CHUNK / 8; ++v) {
+        if (softcap > 0.0f) {
+          alignas(32) float buf[8];
+          _mm256_store_ps(buf, sc[i][v]);
+          for (int j = 0; j < 8; ++j) buf[j] = softcap * std::tanh(buf[j] / softcap);
+          sc[i][v] = _mm256_load_ps(buf);
+        }
+        if (valid[u] != nullptr) sc[i][v] = _mm256_add_ps(sc[i][v], valid[u][v]);  // -inf: masked
+      }
+      float* o = out[u];
+      float* pr = prs + u * CHUNK;
+      __m256 mv = sc[i][0];
+      for (int v = 1; v < CHUNK / 8; ++v) mv = _mm256_max_ps(mv, sc[i][v]);
+      const float mx = std::max(o[0], hmax(mv));
+      const float corr = o[0] == NEG_INF ? 0.0f : exp1(o[0] - mx);
+      const __m256 mxv = _mm256_set1_ps(mx);
+      __m256 sum = _mm256_setzero_ps();
+      for (int v = 0; v < CHUNK / 8; ++v) {
+        const __m256 pv = exp256(_mm256_sub_ps(sc[i][v], mxv));  // 0 on masked lanes
+        sum = _mm256_add_ps(sum, pv);
+        _mm256_storeu_ps(pr + 8 * v, pv);
+      }
+      o[1] = o[1] * corr + hsum(sum);
+      o[0] = mx;
+      accs[u] = o + 2;
+      ps[u] = pr;
+      corrs[u] = corr;
+    }
+  }
+  int u = 0;
+  for (; u + 3 <= units; u += 3) pv_units<3>(accs + u, ps + u, corrs + u, rows, D);
+  if (units - u == 2) pv_units<2>(accs + u, ps + u, corrs + u, rows, D);
+  else if (units - u == 1) pv_units<1>(accs + u, ps + u, corrs + u, rows, D);
+}
+
 // Online softmax (Milakov & Gimelshein 2018) of the `rows` query tokens' `group` heads (q:
 // [rows][group][D] float, pre-scaled) over the positions [a, e) of one KV head of one
 // sequence. Positions are visited in chunks of CHUNK aligned to absolute multiples of CHUNK;
 // a row skips the chunks that hold none of its positions and masks the others' lanes, so each
-// row's arithmetic is the same whatever tile or batch it is computed in.
+// row's arithmetic is the same whatever tile or batch it is computed in. K/V rows are read in
+// place, except that bfloat16 rows shared by more than 4 units (extend tiles) are staged as
+// float32 once per chunk; the two give bitwise the same result (conversion is exact).
 template <int NV, typename KV>
 void attend_tile(const float* q, const Row* rows, int nrows, int group, const KV* kbuf,
                  const KV* vbuf, int64_t row_stride, const int64_t* slots, int64_t a,
-                 int64_t e, float softcap, float* kst, float* vst) {
+                 int64_t e, float softcap, float* kst, float* vst, float* prs) {
   constexpr int64_t nv = NV, D = 8 * NV;
   for (int r = 0; r < nrows; ++r)
     for (int g = 0; g < group; ++g) {
@@ -84,94 +232,70 @@ void attend_tile(const float* q, const Row* rows, int nrows, int group, const KV
       o[1] = 0.0f;
       std::fill(o + 2, o + 2 + D, 0.0f);
     }
+  // Read in place where rows are bfloat16 and shared by at most 4 units (decode): converting
+  // in registers beats staging. Staged otherwise: bfloat16 rows shared by more units are
+  // converted once, and float32 rows staged (a plain copy) measured faster from DRAM than
+  // read in place (the tight copy loop keeps more misses in flight).
+  const bool stage = std::is_same_v<KV, float> || nrows * group > 4;
+  ChunkRows<KV> direct;
+  ChunkRows<float> staged;
+  direct.ahead_bytes = D * static_cast<int64_t>(sizeof(KV));
+  staged.ahead_bytes = 0;
+  const float* qs[TILE * MAX_GROUP];
+  float* outs[TILE * MAX_GROUP];
+  const __m256* valids[TILE * MAX_GROUP];
+  __m256 valid[TILE][CHUNK / 8];
   for (int64_t c0 = (a / CHUNK) * CHUNK; c0 < e; c0 += CHUNK) {
-    // stage the chunk's K and V rows as float32 (positions outside [a, e) as zeros)
     for (int64_t j = 0; j < CHUNK; ++j) {
       const int64_t p = c0 + j;
-      float* kd = kst + j * D;
-      float* vd = vst + j * D;
-      if (p < a || p >= e) {
-        std::fill(kd, kd + D, 0.0f);
-        std::fill(vd, vd + D, 0.0f);
-        continue;
-      }
-      const KV* k = kbuf + slots[p] * row_stride;
-      const KV* v = vbuf + slots[p] * row_stride;
-      if (p + AHEAD < e) {  // rows scattered by slot index defeat the hardware prefetchers
-        const char* kn = reinterpret_cast<const char*>(kbuf + slots[p + AHEAD] * row_stride);
-        const char* vn = reinterpret_cast<const char*>(vbuf + slots[p + AHEAD] * row_stride);
-        for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(KV)); b += 64) {
-          _mm_prefetch(kn + b, _MM_HINT_T0);
-          _mm_prefetch(vn + b, _MM_HINT_T0);
-        }
-      }
-      for (int64_t t = 0; t < nv; ++t) {
-        store8(kd + 8 * t, load8(k + 8 * t));
-        store8(vd + 8 * t, load8(v + 8 * t));
+      const bool in = p >= a && p < e;
+      const KV* k = in ? kbuf + slots[p] * row_stride : nullptr;
+      const KV* v = in ? vbuf + slots[p] * row_stride : nullptr;
+      const bool pf = in && p + AHEAD < e;
+      const char* kn = pf ? reinterpret_cast<const char*>(kbuf + slots[p + AHEAD] * row_stride) : nullptr;
+      const char* vn = pf ? reinterpret_cast<const char*>(vbuf + slots[p + AHEAD] * row_stride) : nullptr;
+      direct.k[j] = k;
+      direct.v[j] = v;
+      direct.ahead[j][0] = kn;
+      direct.ahead[j][1] = vn;
+      staged.ahead[j][0] = staged.ahead[j][1] = nullptr;
+      if (stage) {
+        if (pf)
+          for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(KV)); b += 64) {
+            _mm_prefetch(kn + b, _MM_HINT_T0);
+            _mm_prefetch(vn + b, _MM_HINT_T0);
+          }
+        staged.k[j] = in ? kst + j * D : nullptr;
+        staged.v[j] = in ? vst + j * D : nullptr;
+        if (in)
+          for (int64_t t = 0; t < nv; ++t) {
+            store8(kst + j * D + 8 * t, load8(k + 8 * t));
+            store8(vst + j * D + 8 * t, load8(v + 8 * t));
+          }
       }
     }
+    int units = 0;
     for (int r = 0; r < nrows; ++r) {
       const int64_t rlo = std::max(a, rows[r].lo), rhi = std::min(e, rows[r].pos + 1);
       if (rhi <= c0 || rlo >= c0 + CHUNK) continue;  // none of this row's positions
-      __m256 valid[CHUNK / 8];
-      for (int v = 0; v < CHUNK / 8; ++v) {
-        alignas(32) float mk[8];
-        for (int j = 0; j < 8; ++j) {
-          const int64_t p = c0 + 8 * v + j;
-          mk[j] = (p >= rlo && p < rhi) ? 0.0f : NEG_INF;
-        }
-        valid[v] = _mm256_load_ps(mk);
-      }
-      for (int g = 0; g < group; ++g) {
-        const float* qv = q + (r * group + g) * D;
-        float* o = rows[r].out + g * (D + 2);
-        __m256 sc[CHUNK / 8];
-        __m256 qr[NV];
-        for (int t = 0; t < NV; ++t) qr[t] = _mm256_loadu_ps(qv + 8 * t);
+      const bool full = rlo <= c0 && rhi >= c0 + CHUNK;  // no lane to mask
+      if (!full)
         for (int v = 0; v < CHUNK / 8; ++v) {
-          __m256 dots[8];
+          alignas(32) float mk[8];
           for (int j = 0; j < 8; ++j) {
-            const float* k = kst + (8 * v + j) * D;
-            __m256 d = _mm256_mul_ps(qr[0], _mm256_loadu_ps(k));
-            for (int t = 1; t < NV; ++t) d = _mm256_fmadd_ps(qr[t], _mm256_loadu_ps(k + 8 * t), d);
-            dots[j] = d;
+            const int64_t p = c0 + 8 * v + j;
+            mk[j] = (p >= rlo && p < rhi) ? 0.0f : NEG_INF;
           }
-          sc[v] = reduce8(dots);
-          if (softcap > 0.0f) {
-            alignas(32) float buf[8];
-            _mm256_store_ps(buf, sc[v]);
-            for (int j = 0; j < 8; ++j) buf[j] = softcap * std::tanh(buf[j] / softcap);
-            sc[v] = _mm256_load_ps(buf);
-          }
-          sc[v] = _mm256_add_ps(sc[v], valid[v]);  // -inf outside the row's positions
+          valid[r][v] = _mm256_load_ps(mk);
         }
-        __m256 mv = sc[0];
-        for (int v = 1; v < CHUNK / 8; ++v) mv = _mm256_max_ps(mv, sc[v]);
-        const float mx = std::max(o[0], hmax(mv));
-        const float corr = o[0] == NEG_INF ? 0.0f : exp1(o[0] - mx);
-        const __m256 mxv = _mm256_set1_ps(mx);
-        __m256 sum = _mm256_setzero_ps();
-        alignas(32) float pr[CHUNK];
-        for (int v = 0; v < CHUNK / 8; ++v) {
-          const __m256 pv = exp256(_mm256_sub_ps(sc[v], mxv));
-          sum = _mm256_add_ps(sum, pv);
-          _mm256_store_ps(pr + 8 * v, pv);
-        }
-        o[1] = o[1] * corr + hsum(sum);
-        o[0] = mx;
-        float* acc = o + 2;
-        const __m256 cv = _mm256_set1_ps(corr);
-        __m256 ar[NV];
-        for (int t = 0; t < NV; ++t) ar[t] = _mm256_mul_ps(_mm256_loadu_ps(acc + 8 * t), cv);
-        for (int64_t j = 0; j < CHUNK; ++j) {
-          if (pr[j] == 0.0f) continue;  // masked (or underflowed): adds exactly nothing
-          const __m256 p = _mm256_set1_ps(pr[j]);
-          const float* vrow = vst + j * D;
-          for (int t = 0; t < NV; ++t) ar[t] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vrow + 8 * t), ar[t]);
-        }
-        for (int t = 0; t < NV; ++t) _mm256_storeu_ps(acc + 8 * t, ar[t]);
+      for (int g = 0; g < group; ++g, ++units) {
+        qs[units] = q + (r * group + g) * D;
+        outs[units] = rows[r].out + g * (D + 2);
+        valids[units] = full ? nullptr : valid[r];
       }
     }
+    if (stage) attend_chunk<NV>(staged, units, qs, outs, valids, softcap, prs);
+    else attend_chunk<NV>(direct, units, qs, outs, valids, softcap, prs);
   }
 }
 
@@ -222,6 +346,7 @@ void run(const at::Tensor& q, const at::Tensor& kbuf, const at::Tensor& vbuf,
   const int64_t row_stride = Hkv * D;
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t lo_i, int64_t hi_i) {
     std::vector<float> qs(TILE * MAX_GROUP * D), kst(CHUNK * D), vst(CHUNK * D);
+    std::vector<float> prs(TILE * MAX_GROUP * CHUNK);
     Row rows[TILE];
     for (int64_t w = lo_i; w < hi_i; ++w) {
       const Item& it = items[w];
@@ -255,7 +380,7 @@ void run(const at::Tensor& q, const at::Tensor& kbuf, const at::Tensor& vbuf,
         attend_tile<decltype(nv)::value, KV>(qs.data(), rows, nrows, group, kp + it.head * D,
                                              vp + it.head * D, row_stride,
                                              table + seq_rows[it.seq] * L, a, e, softcap,
-                                             kst.data(), vst.data());
+                                             kst.data(), vst.data(), prs.data());
       };
       switch (D / 8) {  // head_dim 8 .. 256 in steps of 8
 #define SGL_NV(n) case n: call(std::integral_constant<int, n>{}); break;
