@@ -96,9 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
       "decodes them)")
     a("--disable-jump-forward", action="store_true", help="decode strings a grammar forces token "
       "by token instead of verifying them in one pass (outputs are the same either way)")
-    a("--speculative-ngram", type=int, default=0, help="prompt-lookup speculative decoding: "
+    a("--speculative-ngram", type=int, default=None, help="prompt-lookup speculative decoding: "
       "draft up to this many tokens from the sequence's earlier n-grams and verify them in one "
-      "pass (outputs unchanged); 0 = off (default)")
+      "pass where measured costs say it pays; 0 = off; default: 8 where the runner is "
+      "batch-invariant (drafts then never change an output), else off")
     a("--max-running-requests", type=int, default=128, help="max requests decoding at once")
     a("--max-queued-requests", type=int, default=1024, help="requests in flight beyond which new "
       "ones get 503 with Retry-After")

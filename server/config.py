@@ -24,6 +24,8 @@ CPU_ISAS = ("auto", "none", "avx2", "avx512", "avx512_bf16", "amx")  # kernels.c
 _DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
            "half": "float16", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 SCHEDULE_POLICIES = ("lpm", "dfs_weight", "fcfs", "random")
+# speculative_ngram's auto value: longer drafts rarely survive verification (benchmarks.speculative)
+DEFAULT_NGRAM_TOKENS = 8
 
 
 class ConfigError(ValueError):
@@ -210,7 +212,10 @@ class SchedulerConfig:
             when no prompt is waiting.
         speculative_ngram: draft up to this many tokens per step from the sequence's own
             earlier n-grams (prompt lookup, :mod:`server.scheduler.ngram`), verified like
-            jump-forward drafts (outputs unchanged); 0 = off.
+            jump-forward drafts and kept only where the verify pass pays
+            (:mod:`server.scheduler.draft_cost`); 0 = off; None = auto: DEFAULT_NGRAM_TOKENS
+            where the runner is batch-invariant (drafts then never change an output, see
+            ``ModelRunner.batch_invariant``), else off (the Engine resolves it).
     """
 
     max_running_requests: int = 128
@@ -221,10 +226,10 @@ class SchedulerConfig:
     max_cache_aware_queue: int = 128
     disable_jump_forward: bool = False
     mixed_chunk: bool = True
-    speculative_ngram: int = 0
+    speculative_ngram: int | None = None
 
     def __post_init__(self) -> None:
-        if not 0 <= self.speculative_ngram <= 64:
+        if self.speculative_ngram is not None and not 0 <= self.speculative_ngram <= 64:
             raise ConfigError(f"speculative_ngram must be in [0, 64], got {self.speculative_ngram}")
         if self.max_running_requests < 1:
             raise ConfigError(f"max_running_requests must be >= 1, got {self.max_running_requests}")

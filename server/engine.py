@@ -30,7 +30,7 @@ from server.cache.manager import CacheManager
 from server.cache.radix_tree import RadixCache
 from server.cache.req_table import ReqToTokenTable
 from server.cache.tiers import PAGE_TOKENS, DiskTier, HostTier, KVTiers, kv_fingerprint
-from server.config import ConfigError, EngineConfig, resolve
+from server.config import DEFAULT_NGRAM_TOKENS, ConfigError, EngineConfig, resolve
 from server.constrained.grammar import GrammarCompiler
 from server.constrained.reasoning import ReasoningGatedMatcher
 from server.detokenizer import OutputText
@@ -118,6 +118,10 @@ class Engine:
         self.cache = CacheManager(self.kv_pool, self.req_table,
                                   RadixCache(disabled=cc.disable_radix_cache),
                                   self._tiers(loaded, cc, mc))
+        if sc.speculative_ngram is None:  # auto: drafts only where they cannot change outputs
+            sc = dataclasses.replace(sc, speculative_ngram=DEFAULT_NGRAM_TOKENS
+                                     if self.runner.batch_invariant else 0)
+            self.config = dataclasses.replace(self.config, scheduler=sc)
         self.scheduler = Scheduler(sc, self.cache, vocab_size=loaded.arch.vocab_size,
                                    context_len=self.context_len, sampler=Sampler(self.config.seed),
                                    seed=self.config.seed, tokenizer=loaded.tokenizer)

@@ -89,6 +89,8 @@ class Ready(msgspec.Struct, tag=True):
     attention_backend: str = "reference"
     quantization: str = "none"  # what the runner kept quantized (QuantReport.summary())
     compiled: bool = False
+    batch_invariant: bool = False  # ModelRunner.batch_invariant
+    speculative_ngram: int = 0  # resolved draft length (0 = off)
 
 
 class ReqOutput(msgspec.Struct):

@@ -107,6 +107,16 @@ class ModelRunner:
                 # page indices of one step: shared prefixes count once per sequence
                 max_kv_tokens=cuda_graph_max_bs * req_to_token.shape[1])
 
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether a row's logits are bitwise the same whatever else is in its pass (batch,
+        chunk boundaries, cache hits, verify passes): one CPU process, eager, on the native
+        attention and every linear layer on the native kernels (QuantReport.row_invariant),
+        no MoE routing. Where True, drafts (jump-forward, n-gram) never change an output."""
+        return (self.device.type == "cpu" and not self.compiled and self.tp is None
+                and self.attention.name == "cpu" and self.quant_report.row_invariant
+                and not self.arch.sparse_layers)
+
     def _eager_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions, self.attention)
 

@@ -42,7 +42,9 @@ class WeightLoadError(RuntimeError):
 class QuantReport:
     """What the loader kept quantized. ``modules``: "int4"/"int8"/"dense" -> module count;
     ``sources``: e.g. "Q4_1" -> tensors; ``weight_bytes``: bytes of all parameters and packed
-    buffers; ``prefill_copy_bytes``: of those, the dense bf16 copies kept for long extends."""
+    buffers; ``prefill_copy_bytes``: of those, the dense bf16 copies kept for long extends;
+    ``off_native``: quantized modules that run torch's ops although ``native`` was asked (a
+    shape the kernels do not take)."""
 
     mode: str
     dense_min_rows: int | None = None
@@ -51,6 +53,16 @@ class QuantReport:
     sources: Counter = field(default_factory=Counter)
     weight_bytes: int = 0
     prefill_copy_bytes: int = 0
+    off_native: int = 0
+
+    @property
+    def row_invariant(self) -> bool:
+        """Every linear layer computes a row the same whatever else is in the pass: all of
+        them quantized onto the kernels.cpu library (one accumulator per output, fed in k
+        order), none dense (torch's matmuls) and no dense copy for long extends."""
+        return (self.native and self.modules["int4"] + self.modules["int8"] > 0
+                and self.modules["dense"] == 0 and self.off_native == 0
+                and self.prefill_copy_bytes == 0)
 
     def summary(self) -> str:
         """One line for logs and /get_model_info, e.g.
@@ -164,6 +176,8 @@ def _install_quantized(model: nn.Module, name: str, blocks: list, quantization: 
     report.modules[kind] += 1
     # the native kernels take K in multiples of 32 (int4 blocks) or 8 (int8 rows)
     native = native and k % (INT4_GROUP if kind == "int4" else 8) == 0
+    if report.native and not native:
+        report.off_native += 1
     if isinstance(module, nn.Embedding):
         tied = getattr(model, "lm_head", True) is None
         new: nn.Module = QuantEmbedding(weight, dtype, tied, native)

@@ -11,8 +11,10 @@ the choice is cost alone. A pass of ``rows`` rows that would produce ``rows`` to
     (rows + a) / c(rows + k) > rows / c(rows)
 
 i.e. when it raises the pass's tokens per second. ``c`` is an exponential moving average of
-measured pass seconds per row count (:class:`PassCosts`); a row count not measured yet keeps the
-draft (that pass measures it), and one refused draft in ``EXPLORE_EVERY`` is kept anyway so a
+measured pass seconds per row count (:class:`PassCosts`), interpolated linearly between the
+measured counts and extrapolated from the two nearest beyond them (with many streams the row
+counts of passes with drafts rarely repeat); with fewer than two counts measured the draft is
+kept (that pass measures one), and one refused draft in ``EXPLORE_EVERY`` is kept anyway so a
 cost measured on a slow pass (a warm-up, a noisy neighbour) is measured again.
 
 The rule is SGLang's compressed-FSM jump-forward (Zheng et al. 2024, §4) and prompt-lookup
@@ -22,6 +24,8 @@ Transformers via Speculative Decoding") with measured instead of modelled pass c
 """
 
 from __future__ import annotations
+
+import bisect
 
 EXPLORE_EVERY = 16  # refused drafts between two kept anyway (re-measuring the wider pass)
 PRIOR = (4.0, 2.0)  # (proposed, accepted) a draft source starts with: acceptance 0.5
@@ -42,8 +46,22 @@ class PassCosts:
         self._seconds[rows] = seconds if old is None else old + self.alpha * (seconds - old)
 
     def cost(self, rows: int) -> float | None:
-        """The average seconds of a ``rows``-row pass, or None if none was measured."""
-        return self._seconds.get(rows)
+        """The seconds of a ``rows``-row pass: the average of its measurements, else linear
+        in rows between the nearest measured counts on either side, else extrapolated from the
+        two nearest on one side (never below the nearest measured cost beneath it); None while
+        fewer than two row counts are measured and ``rows`` is not one of them."""
+        if rows in self._seconds:
+            return self._seconds[rows]
+        if len(self._seconds) < 2:
+            return None
+        counts = sorted(self._seconds)
+        i = bisect.bisect(counts, rows)
+        i = min(max(i, 1), len(counts) - 1)  # the pair around rows, or the nearest pair
+        r0, r1 = counts[i - 1], counts[i]
+        c0, c1 = self._seconds[r0], self._seconds[r1]
+        estimate = c0 + (c1 - c0) * (rows - r0) / (r1 - r0)
+        below = [self._seconds[r] for r in counts if r < rows]
+        return max(estimate, below[-1]) if below else max(estimate, 0.0)
 
 
 class DraftGate:

@@ -237,15 +237,19 @@ def run_scheduler_process(config: EngineConfig, to_scheduler: str, from_schedule
     engine = Engine(config=config)
     mc = engine.config.model
     quant = engine.runner.quant_report.summary()
+    ngram = engine.config.scheduler.speculative_ngram
     log.info("model %s loaded in %.1f s (%s on %s, %s attention, weights %s, KV pool %d tokens "
-             "in %s)", engine.model_name, time.perf_counter() - start, mc.dtype, mc.device,
-             mc.attention_backend, quant, engine.config.cache.max_total_tokens,
-             mc.kv_cache_dtype)
+             "in %s, %s, n-gram drafts %s)", engine.model_name, time.perf_counter() - start,
+             mc.dtype, mc.device, mc.attention_backend, quant,
+             engine.config.cache.max_total_tokens, mc.kv_cache_dtype,
+             "batch-invariant" if engine.runner.batch_invariant else "not batch-invariant",
+             f"up to {ngram} tokens" if ngram else "off")
     send.send(P.encode(P.Ready(
         model_name=engine.model_name, vocab_size=engine.arch.vocab_size,
         context_len=engine.context_len, max_total_tokens=engine.config.cache.max_total_tokens,
         dtype=mc.dtype, device=mc.device, kv_cache_dtype=mc.kv_cache_dtype,
-        attention_backend=mc.attention_backend, quantization=quant, compiled=engine.runner.compiled)))
+        attention_backend=mc.attention_backend, quantization=quant, compiled=engine.runner.compiled,
+        batch_invariant=engine.runner.batch_invariant, speculative_ngram=ngram)))
     loop = SchedulerLoop(engine, recv, send)
     engine.prepare_grammars()
 

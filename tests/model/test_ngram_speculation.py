@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from server.config import DEFAULT_NGRAM_TOKENS
 from server.engine import Engine
 from server.scheduler.ngram import prompt_lookup_draft
 from tests.helpers import EXACT_QUANTIZATION
@@ -64,3 +65,25 @@ def test_constrained_requests_take_ngram_drafts_the_grammar_accepts(make_tiny_mo
         stats[k] = eng.scheduler.stats
     assert outs[6] == outs[0]
     assert stats[6].accepted_draft_tokens > 0 and stats[0].draft_tokens == 0
+
+
+def test_drafts_are_on_by_default_only_where_the_runner_is_batch_invariant(make_tiny_model):
+    """Auto (the default) turns n-gram drafts on where the runner is batch-invariant (native
+    quantized kernels), so they can never change an output, and leaves them off on dense
+    weights (torch's matmuls round a row differently in a wider pass); an explicit value wins."""
+    path, _ = make_tiny_model("tied")
+    common = {"dtype": "float32", "context_length": 128, "max_total_tokens": 512}
+    dense = Engine(path, quantization="none", **common)
+    assert not dense.runner.batch_invariant
+    assert dense.scheduler.ngram_tokens == dense.config.scheduler.speculative_ngram == 0
+    if EXACT_QUANTIZATION == "none":  # no native kernels on this machine: nothing else to check
+        return
+    exact = Engine(path, quantization=EXACT_QUANTIZATION, **common)
+    assert exact.runner.batch_invariant and exact.runner.quant_report.row_invariant
+    assert exact.scheduler.ngram_tokens == DEFAULT_NGRAM_TOKENS
+    assert exact.config.scheduler.speculative_ngram == DEFAULT_NGRAM_TOKENS
+    off = Engine(path, quantization=EXACT_QUANTIZATION, speculative_ngram=0, **common)
+    assert off.scheduler.ngram_tokens == 0
+    torch_ops = Engine(path, quantization=EXACT_QUANTIZATION, cpu_isa="none", **common)
+    assert not torch_ops.runner.batch_invariant
+    assert torch_ops.scheduler.ngram_tokens == 0

@@ -14,12 +14,27 @@ def test_pass_costs_average_new_measurements():
     assert c.cost(4) == 3.0 and c.cost(5) is None
 
 
+def test_unmeasured_row_counts_are_interpolated_and_extrapolated():
+    c = PassCosts()
+    c.record(4, 0.010)
+    assert c.cost(12) is None  # one count: no slope yet
+    c.record(8, 0.018)
+    assert abs(c.cost(6) - 0.014) < 1e-12  # between two measured counts
+    assert abs(c.cost(16) - 0.034) < 1e-12  # beyond them, on the nearest pair's slope
+    assert abs(c.cost(2) - 0.006) < 1e-12
+    c.record(12, 0.015)  # a noisy wider pass measured cheaper than a narrower one
+    assert c.cost(10) == 0.018  # never below the measured count beneath it
+    assert c.cost(20) == 0.015  # a falling slope is not extrapolated below the last point
+
+
 def test_an_unmeasured_width_keeps_the_draft_so_it_gets_measured():
     gate = DraftGate()
     assert gate.pays("ngram", 4, 8)
     gate.costs.record(4, 0.010)
     assert gate.pays("ngram", 4, 8)  # c(12) still unknown
     assert gate.kept == 2 and gate.dropped == 0
+    gate.costs.record(5, 0.020)  # now extrapolated: c(12) = 0.09, 12 x 0.01 < 8 x 0.09
+    assert not gate.pays("ngram", 4, 8)
 
 
 def test_the_criterion_weighs_cost_against_expected_acceptance():
