@@ -38,6 +38,9 @@ _COUNTERS = {
     "prompt_tokens": "prompt tokens received", "cached_prompt_tokens": "prompt tokens reused",
     "generated_tokens": "tokens generated", "evicted_tokens": "cache tokens evicted",
     "tier_loaded_tokens": "cached tokens loaded back from the host or disk tier",
+    "draft_tokens": "draft tokens (jump-forward, n-gram) verified",
+    "accepted_draft_tokens": "draft tokens accepted by verification",
+    "drafts_dropped": "drafts refused by the cost gate (their verify pass would not pay)",
     "retractions": "requests retracted under memory pressure", "aborts": "requests aborted",
     "invariant_violations": "KV memory invariant violations (should stay 0)",
 }

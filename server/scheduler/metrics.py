@@ -23,6 +23,7 @@ class SchedulerStats:
     jump_forward_tokens: int = 0  # output tokens appended by jump-forward (no decode step)
     draft_tokens: int = 0  # tokens proposed by drafts (jump-forward and n-gram) and verified
     accepted_draft_tokens: int = 0  # of those, kept because they equalled the sample
+    drafts_dropped: int = 0  # drafts (not tokens) the cost gate refused (draft_cost.DraftGate)
     retractions: int = 0
     aborts: int = 0
     forward_passes: int = 0
@@ -52,6 +53,7 @@ def snapshot(st: SchedulerStats, usage: CacheUsage, *, running: int,
         "jump_forward_tokens": st.jump_forward_tokens,
         "draft_tokens": st.draft_tokens,
         "accepted_draft_tokens": st.accepted_draft_tokens,
+        "drafts_dropped": st.drafts_dropped,
         "evicted_tokens": usage.evicted,
         "tier_loaded_tokens": usage.loaded,
         "host_tier_pages": usage.host_pages,

@@ -334,7 +334,9 @@ class Scheduler:
         the drafts already kept."""
         rows = (len(self.running) + (req not in self.running)
                 + sum(1 + len(r.draft) for r in self.prefilling if r.draft and r is not req))
-        return self.draft_gate.pays(req.draft_source, max(rows, 1), len(req.draft))
+        pays = self.draft_gate.pays(req.draft_source, max(rows, 1), len(req.draft))
+        self.stats.drafts_dropped += not pays
+        return pays
 
     def _verify_draft(self, req: Req, rows: list[int], logits: torch.Tensor) -> TokenDelta:
         """Sample each draft position as plain decoding would; keep drafts while they match

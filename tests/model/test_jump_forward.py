@@ -95,6 +95,7 @@ def test_drafts_are_dropped_where_measured_costs_say_the_verify_pass_loses(make_
     assert outs[0] == outs[1] == outs[2]
     gate = gated.scheduler.draft_gate
     assert gate.dropped > 0 and gate.kept <= gate.dropped // (EXPLORE_EVERY - 1) + 1
+    assert gated.metrics()["drafts_dropped"] == gate.dropped
     passes = [e.metrics()["forward_passes"] for e in (off, on, gated)]
     assert passes[1] < passes[2] <= passes[0]
 

@@ -154,6 +154,8 @@ def test_info_routes(c, healthy):
     info = c.get("/model_info").json()
     assert info["context_len"] == 512 and info["is_generation"]
     assert info["kv_cache_dtype"] == info["dtype"]  # auto: the compute dtype
+    # dense fp32 weights run torch's matmuls: not batch-invariant, so no n-gram drafts
+    assert info["batch_invariant"] is False and info["speculative_ngram"] == 0
     assert c.get("/get_model_info").json() == info
     s = c.get("/server_info").json()
     assert s["invariants_ok"] and s["max_total_tokens"] == 4096
@@ -173,7 +175,7 @@ def test_metrics_prometheus(c):
     for name in ("sgl_running_requests", "sgl_kv_usage", "sgl_cache_hit_rate",
                  "sgl_prompt_tokens_total", "sgl_time_to_first_token_seconds_bucket",
                  "sgl_e2e_request_latency_seconds_count",
-                 "sgl_invariant_violations_total 0.0"):
+                 "sgl_invariant_violations_total 0.0", "sgl_drafts_dropped_total"):
         assert name in text, name
 
 
