@@ -15,12 +15,23 @@ holds back a tail that could still become a stop string, so text that was sent i
 back. Stop regexes (SGLang's ``stop_regex``) are searched in the last ``REGEX_WINDOW``
 characters; a streamed text holds nothing back for them (a regex may match text of any length),
 so a match that starts in text already sent ends the stream there without taking it back.
+A stop regex is a client's program run on every new token: it runs on the ``regex`` module
+with a time limit (``STOP_REGEX_TIMEOUT_S`` per search), so a pattern that backtracks
+catastrophically (``(a|aa)+c``) ends its own request with an error instead of freezing the
+process that searches it (the HTTP event loop).
 """
 
 from __future__ import annotations
 
-import re
 from typing import Any, Sequence
+
+import regex
+
+STOP_REGEX_TIMEOUT_S = 0.02  # per search of the last REGEX_WINDOW characters (a few us is typical)
+
+
+class StopRegexTimeout(ValueError):
+    """A stop regex took over STOP_REGEX_TIMEOUT_S to search; the message names it."""
 
 _REPLACEMENT = "\ufffd"
 
@@ -43,7 +54,7 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.stop = tuple(stop)
-        self.stop_regex = tuple(re.compile(p) for p in stop_regex)
+        self.stop_regex = tuple(regex.compile(p) for p in stop_regex)
         self.no_stop_trim = no_stop_trim
         self._max_stop = max((len(s) for s in self.stop), default=0)
         self._ids: list[int] = list(prompt_ids[-self.WINDOW:])
@@ -108,7 +119,13 @@ class IncrementalDetokenizer:
                 best = (pos, pos + len(s), s)
         window = max(0, len(self.text) - self.REGEX_WINDOW)
         for pattern in self.stop_regex:
-            m = pattern.search(self.text, window)
+            try:
+                m = pattern.search(self.text, window, timeout=STOP_REGEX_TIMEOUT_S)
+            except TimeoutError as exc:
+                raise StopRegexTimeout(
+                    f"stop_regex {pattern.pattern!r} took over {STOP_REGEX_TIMEOUT_S * 1e3:.0f} "
+                    f"ms to search {len(self.text) - window} characters of output (a pattern "
+                    "that backtracks catastrophically, like '(a|aa)+c'); simplify it") from exc
             if m is not None and m.end() > before and (best is None or m.start() < best[0]):
                 best = (m.start(), m.end(), m.group(0))
         if best is not None:
@@ -163,7 +180,8 @@ class OutputText:
     def feed(self, new_ids: Sequence[int], finish_reason: dict[str, Any] | None) -> int:
         """Consume one delta; returns how many of ``new_ids`` are kept (all, unless a stop
         string matched; then :attr:`finish_reason` is ``{"type": "stop", "matched": str}``).
-        Nothing is kept once finished."""
+        Nothing is kept once finished. Raises StopRegexTimeout (the request cannot go on: its
+        caller ends it with a 400 naming the pattern)."""
         if self.finish_reason is not None:
             return 0
         stop_token = (finish_reason is not None and finish_reason.get("type") == "stop"

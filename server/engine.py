@@ -33,7 +33,7 @@ from server.cache.tiers import PAGE_TOKENS, DiskTier, HostTier, KVTiers, kv_fing
 from server.config import DEFAULT_NGRAM_TOKENS, ConfigError, EngineConfig, resolve
 from server.constrained.grammar import GrammarCompiler
 from server.constrained.reasoning import ReasoningGatedMatcher
-from server.detokenizer import OutputText
+from server.detokenizer import OutputText, StopRegexTimeout
 from server.model.forward_batch import ImageInput
 from server.model.loader import load_model
 from server.model.parallel import TPGroup, TPShard
@@ -386,8 +386,13 @@ class Engine:
                 text = texts.get(d.rid)
                 if text is None or text.finish_reason is not None:
                     continue
-                text.feed(d.new_token_ids, d.finish_reason.to_dict() if d.finish_reason
-                          else None)
+                try:
+                    text.feed(d.new_token_ids, d.finish_reason.to_dict() if d.finish_reason
+                              else None)
+                except StopRegexTimeout as exc:  # this request ends; the others go on
+                    text.finish_reason = {"type": "error", "message": str(exc)}
+                    self.scheduler.abort(d.rid, str(exc), error=True)
+                    continue
                 if text.finish_reason is not None and d.finish_reason is None:
                     # a stop string: the scheduler sees ids only
                     self.scheduler.stop(d.rid, text.finish_reason["matched"])

@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from dataclasses import dataclass
 from typing import Any, Mapping
+
+import regex
 
 from server.constrained.grammar import GrammarError, GrammarSpec, make_spec
 
@@ -147,8 +148,8 @@ class SamplingParams:
                  "stop_regex", f"each pattern must be a non-empty string of at most "
                  f"{MAX_STOP_STRING_CHARS} characters")
             try:
-                re.compile(pattern)
-            except re.error as exc:
+                regex.compile(pattern)  # the engine server.detokenizer searches with
+            except regex.error as exc:
                 raise SamplingParamsError("stop_regex", f"{pattern!r} is not a valid regular "
                                           f"expression: {exc}") from exc
         need(isinstance(self.no_stop_trim, bool), "no_stop_trim", "must be a boolean")

@@ -26,7 +26,7 @@ import zmq
 import zmq.asyncio
 
 from server import protocol as P
-from server.detokenizer import OutputText
+from server.detokenizer import OutputText, StopRegexTimeout
 from server.multimodal import (
     ImageError,
     VisionSpec,
@@ -320,7 +320,10 @@ class TokenizerManager:
                     raise ApiError(item.status, item.message, param=item.param,
                                    type="invalid_request_error" if item.status < 500
                                    else "server_error")
-                item, stop = _with_text(item, text)
+                try:
+                    item, stop = _with_text(item, text)
+                except StopRegexTimeout as exc:  # the finally block aborts it in the scheduler
+                    raise ApiError(400, str(exc), param="stop_regex") from exc
                 entry.completion_tokens = item.completion_tokens
                 if stop is not None:  # the scheduler sees ids only: tell it to stop
                     finished = True

@@ -206,6 +206,19 @@ def test_stop_string_is_matched_by_the_front_end_and_ends_the_request(c):
     assert info["metrics"]["aborts"] == aborts and info["metrics"]["kv_usage"] == 0.0
 
 
+def test_a_stop_regex_that_backtracks_forever_is_a_400_and_freezes_nothing(c, healthy):
+    """A grammar forcing 60 a's under stop_regex (a|aa)+c (exponential in a backtracking
+    engine): the request ends with a 400 naming the pattern once its search runs out of time,
+    and the server (whose event loop runs the search) goes on serving."""
+    r = c.post("/generate", json={"text": "Say a:", "sampling_params": {
+        "max_new_tokens": 64, "temperature": 0, "regex": "a{60}", "stop_regex": "(a|aa)+c"}})
+    assert r.status_code == 400 and "stop_regex" in r.text and "(a|aa)+c" in r.text
+    assert c.get("/health").status_code == 200
+    ok = c.post("/generate", json={"text": "Hello", "sampling_params": {"max_new_tokens": 4,
+                                                                   "ignore_eos": True}})
+    assert ok.status_code == 200 and ok.json()["meta_info"]["completion_tokens"] == 4
+
+
 def test_sglang_frontend_sampling_fields_are_accepted(tiny_server):
     """The fields SGLang 0.5's frontend and clients send: meaningful ones work (stop_regex,
     no_stop_trim, min_new_tokens, sampling_seed), cosmetic ones are accepted, structural_tag

@@ -91,3 +91,23 @@ def test_stop_regex_and_no_stop_trim(default_tokenizer):
     first = OutputText(tok, prompt, stop=["here"], stop_regex=[r"is \d"])
     first.feed(ids, None)
     assert first.text == "The answer "  # the earlier match wins
+
+
+def test_a_catastrophically_backtracking_stop_regex_is_cut_off_not_run_for_hours(
+        default_tokenizer):
+    """(a|aa)+c over 40 a's takes ~fib(40) steps in a backtracking engine: the search stops at
+    STOP_REGEX_TIMEOUT_S with an error naming the pattern, instead of freezing its caller.
+    (a+)+c, which froze Python's re, the regex module searches at once."""
+    from server.detokenizer import OutputText, StopRegexTimeout
+
+    tok = default_tokenizer
+    ids = tok("a" * 40)["input_ids"]
+    slow = OutputText(tok, [], stop_regex=[r"(a|aa)+c"])
+    with pytest.raises(StopRegexTimeout, match=r"\(a\|aa\)\+c"):
+        slow.feed(ids, None)
+    nested = OutputText(tok, [], stop_regex=[r"(a+)+c"])
+    nested.feed(ids, None)
+    assert nested.text == "a" * 40 and nested.finish_reason is None
+    fine = OutputText(tok, [], stop_regex=[r"a{3}"])  # a pattern that matches runs as before
+    fine.feed(ids, None)
+    assert fine.text == "" and fine.finish_reason == {"type": "stop", "matched": "aaa"}
