@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 MAX_SPEC_CHARS = 32 * 1024
+MAX_SCHEMA_TEXT_CHARS = 4 * MAX_SPEC_CHARS  # a schema given as text, before its whitespace goes
 MAX_EBNF_CHARS = 512 * 1024  # grounding grammars of long passages (~25 chars per word)
 MAX_CHOICES = 256
 MAX_SCHEMA_DEPTH = 64  # dict/list levels
@@ -74,6 +75,16 @@ def make_spec(regex: str | None = None, json_schema: Any = None,
             raise GrammarError("ebnf", f"over {MAX_EBNF_CHARS} characters")
         return GrammarSpec("ebnf", ebnf)
     if json_schema is not None:
+        # sized before anything else: validating a schema costs time that grows with its size
+        # (a 7 MB schema took 24 s), and this runs on the HTTP event loop
+        if isinstance(json_schema, str):
+            if len(json_schema) > MAX_SCHEMA_TEXT_CHARS:  # room for indentation
+                raise GrammarError("json_schema", f"over {MAX_SCHEMA_TEXT_CHARS} characters")
+        else:
+            try:
+                _check_size("json_schema", json.dumps(json_schema, separators=(",", ":")))
+            except (TypeError, ValueError) as exc:  # not JSON data; circular
+                raise GrammarError("json_schema", f"not JSON data: {exc}") from exc
         schema = _load_schema(json_schema)
         # keep key order: property order in the schema is the order fields are generated in
         text = json.dumps(schema, separators=(",", ":"))
