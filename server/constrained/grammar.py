@@ -184,6 +184,17 @@ def _is_recursive(schema: dict) -> bool:
     return any(reaches(name) for name in edges)
 
 
+# xgrammar prefixes its errors with a time and its C++ source location:
+# "[14:12:45] /project/cpp/grammar_parser.cc:820: EBNF parser error at line 1, column 16: ..."
+_LIBRARY_PREFIX = re.compile(r"^\s*(\[[0-9:]+\]\s*)?(\S+\.(cc|cpp|h|hpp|py):\d+:\s*)?")
+
+
+def _library_message(exc: Exception) -> str:
+    """The compiler's message for a client: without the library's timestamp and source path
+    (which say nothing about the request and describe the server's build)."""
+    return _LIBRARY_PREFIX.sub("", str(exc)).strip() or type(exc).__name__
+
+
 def _choices_ebnf(choices: list[str]) -> str:
     def lit(s: str) -> str:
         return '"' + s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") \
@@ -261,7 +272,7 @@ class GrammarCompiler:
         except GrammarError:
             raise
         except Exception as exc:  # the library's own message names the problem
-            raise GrammarError(spec.kind, f"cannot compile: {exc}") from exc
+            raise GrammarError(spec.kind, f"cannot compile: {_library_message(exc)}") from exc
 
     def _compile(self, spec: GrammarSpec):
         c = self._compiler

@@ -67,6 +67,12 @@ def test_ebnf_on_both_apis_and_bad_ebnf_is_a_400(healthy):
             resp = c.post(path, json=body)
             assert resp.status_code == 400, resp.text
             assert resp.json()["error"]["param"] == "ebnf"
+            # the compiler's reason, without its timestamp and C++ source path
+            assert ".cc:" not in resp.text and "/project/" not in resp.text
+        msg = c.post("/generate", json={"text": "x", "sampling_params": {
+            "ebnf": "root ::= undefined_rule"}}).json()["error"]["message"]
+        assert msg.startswith("ebnf: cannot compile: EBNF parser error") and \
+            "undefined_rule" in msg, msg
     client = OpenAI(base_url=healthy.url + "/v1", api_key="none")
     out = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "?"}],
                                          max_tokens=8, temperature=0,
