@@ -35,19 +35,17 @@ import uuid
 from collections import OrderedDict
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, ValidationError
 
-from server.http.schemas import MAX_MESSAGES, ChatCompletionRequest
+from server.http.schemas import MAX_MESSAGES, ChatCompletionRequest, RequestBody
 from server.http.tokenizer_manager import ApiError
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 IGNORED_INCLUDES = {"reasoning.encrypted_content"}  # no encrypted reasoning: nothing to add
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(RequestBody):
     """``POST /v1/responses`` body (unknown fields are ignored, as the OpenAI API does)."""
-
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str | None = None
     input: str | list[dict[str, Any]] = Field(max_length=MAX_MESSAGES)

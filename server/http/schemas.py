@@ -9,22 +9,60 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MAX_MESSAGES = 1024
 MAX_BATCH = 256
 
 
-class _Body(BaseModel):
+def lone_surrogate_at(data: Any) -> str | None:
+    """The path ("stop[1]", "metadata.user") of the first string in parsed JSON ``data``
+    (keys included) holding a lone UTF-16 surrogate (a JSON escape such as "\\ud800" with no
+    pair), which no UTF-8 encoder accepts; None when every string is valid Unicode."""
+    stack: list[tuple[Any, str]] = [(data, "")]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, str):
+            if not node.isascii():
+                try:
+                    node.encode("utf-8")
+                except UnicodeEncodeError:
+                    return path or "body"
+        elif isinstance(node, dict):
+            for k, v in node.items():
+                name = str(k).encode("utf-8", "backslashreplace").decode("utf-8")  # printable
+                sub = f"{path}.{name}" if path else name
+                stack.append((k, sub))
+                stack.append((v, sub))
+        elif isinstance(node, list):
+            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(node))
+    return None
+
+
+class RequestBody(BaseModel):
+    """Base of every request body: unknown fields ignored, non-finite numbers and invalid
+    Unicode refused."""
+
     # NaN and infinities are refused as such ("should be a finite number"), not by a bound
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        """Text is checked once, at admission, for every field: a lone surrogate in a field
+        that reaches an encoder later (a stop string, a grammar, a request id) was a 500."""
+        bad = lone_surrogate_at(data)
+        if bad is not None:
+            raise ValueError(f"{bad}: text is not valid Unicode (a lone UTF-16 surrogate, "
+                             "e.g. an unpaired \\ud800 escape)")
+        return data
 
-class StreamOptions(_Body):
+
+class StreamOptions(RequestBody):
     include_usage: bool = False
 
 
-class _OpenAISampling(_Body):
+class _OpenAISampling(RequestBody):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
@@ -68,13 +106,13 @@ class CompletionRequest(_OpenAISampling):
     suffix: str | None = None
 
 
-class ContentPart(_Body):
+class ContentPart(RequestBody):
     type: str
     text: str | None = None
     image_url: dict[str, Any] | str | None = None  # {"url": "data:image/png;base64,..."}
 
 
-class ChatMessage(_Body):
+class ChatMessage(RequestBody):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -94,7 +132,7 @@ class ChatCompletionRequest(_OpenAISampling):
     separate_reasoning: bool = True
 
 
-class GenerateRequest(_Body):
+class GenerateRequest(RequestBody):
     """SGLang-style native request: ``text`` or ``input_ids``, single or batch."""
 
     text: str | list[str] | None = None
@@ -112,5 +150,5 @@ class GenerateRequest(_Body):
     separate_reasoning: bool = False
 
 
-class AbortRequest(_Body):
+class AbortRequest(RequestBody):
     rid: str

@@ -62,6 +62,42 @@ def test_odd_characters_do_not_crash(healthy, escaped):
         assert resp.json()["error"]["message"]
 
 
+S = "\\ud800"  # a lone surrogate as a client's JSON escapes it (raw JSON text below)
+
+
+@pytest.mark.parametrize("path, body, param", [
+    (GEN, '{"text": "x", "sampling_params": {"stop": ["%s"]}}', "sampling_params.stop[0]"),
+    (GEN, '{"text": "x", "sampling_params": {"regex": "a%s"}}', "sampling_params.regex"),
+    (GEN, '{"text": "x", "sampling_params": {"ebnf": "root ::= \\"%s\\""}}',
+     "sampling_params.ebnf"),
+    (GEN, '{"text": "x", "sampling_params": {"stop_regex": "%s"}}',
+     "sampling_params.stop_regex"),
+    (GEN, '{"text": "x", "rid": "r%s"}', "rid"),
+    (GEN, '{"text": "x", "cache_salt": "%s"}', "cache_salt"),
+    (GEN, '{"text": "x", "sampling_params": {"choices": ["a", "%s"]}}',
+     "sampling_params.choices[1]"),
+    (CHAT, '{"messages": [{"role": "user", "content": "hi"}], "stop": "%s"}', "stop"),
+    (CHAT, '{"messages": [{"role": "user", "content": "hi"}], "regex": "%s"}', "regex"),
+    (CMPL, '{"prompt": "hi", "stop": ["%s"]}', "stop[0]"),
+    (CMPL, '{"prompt": "hi %s"}', "prompt"),
+    ("/abort_request", '{"rid": "%s"}', "rid"),
+    ("/v1/responses", '{"input": "hi", "user": "%s"}', "user"),
+    ("/v1/responses", '{"input": "hi", "metadata": {"k": "%s"}}', "metadata.k"),
+    ("/v1/responses", '{"input": "hi", "metadata": {"%s": "v"}}', "metadata."),
+])
+def test_a_lone_surrogate_in_any_field_is_a_400_naming_it(healthy, path, body, param):
+    """Unicode is checked once at admission for every field: a lone surrogate that reached an
+    encoder later (a stop string, a grammar, a request id, Responses metadata) was a plain-text
+    500 that closed the keep-alive connection. The connection serves the next request."""
+    with healthy.client() as c:
+        resp = c.post(path, content=(body % S).encode(),
+                      headers={"content-type": "application/json"})
+        check_error(resp, 400, contains=param)
+        assert "not valid Unicode" in resp.json()["error"]["message"]
+        ok = c.post(GEN, json={"text": "x", "sampling_params": {"max_new_tokens": 1}})
+        assert ok.status_code == 200, ok.text
+
+
 @pytest.mark.parametrize("path, body, param", [
     (CMPL, {"prompt": ""}, "prompt"),
     (CMPL, {"prompt": []}, "prompt"),
