@@ -277,14 +277,23 @@ class GrammarCompiler:
     def _compile(self, spec: GrammarSpec):
         c = self._compiler
         if spec.kind == "regex":
-            return c.compile_regex(spec.spec)
-        if spec.kind == "json_schema":
+            compiled = c.compile_regex(spec.spec)
+        elif spec.kind == "json_schema":
             # Fixed separators (", " and ": "): no whitespace loops, and keys plus separators
             # become forced strings that jump-forward computes in one pass.
-            return c.compile_json_schema(spec.spec, any_whitespace=False)
-        if spec.kind == "ebnf":
-            return c.compile_grammar(spec.spec)
-        return c.compile_grammar(_choices_ebnf(json.loads(spec.spec)))
+            compiled = c.compile_json_schema(spec.spec, any_whitespace=False)
+        elif spec.kind == "ebnf":
+            compiled = c.compile_grammar(spec.spec)
+        else:
+            compiled = c.compile_grammar(_choices_ebnf(json.loads(spec.spec)))
+        # A grammar that matches no string (regex [^\s\S], an EBNF with no finite derivation)
+        # allows no first token, not even EOS: refused here, it would end its request with
+        # "the grammar rejected token ..." after a wasted prefill.
+        bitmask = self._xgr.allocate_token_bitmask(1, self.vocab_size)
+        self._xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask, 0)
+        if not bitmask.any():
+            raise GrammarError(spec.kind, "matches no string: no token can start it")
+        return compiled
 
     def json_safe_mask(self):
         """[vocab_size] bool: tokens whose bytes hold no control character (< 0x20).

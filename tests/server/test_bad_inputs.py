@@ -193,6 +193,8 @@ def test_bad_sampling_values(healthy, field, value):
     ({"response_format": {"type": "json_schema", "json_schema": "nope"}}, "response_format"),
     ({"response_format": {"type": "yaml"}}, "response_format"),
     ({"response_format": {"type": "json_object"}, "regex": "a"}, "regex"),
+    ({"regex": r"[^\s\S]"}, "regex"),  # matches no string: refused, not a 500 mid-request
+    ({"ebnf": r"root ::= [^\s\S]"}, "ebnf"),
 ])
 def test_bad_constraints(healthy, extra, param):
     with healthy.client() as c:
