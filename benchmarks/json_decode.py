@@ -94,7 +94,10 @@ def main() -> None:
                     "jump-forward on plus prompt-lookup drafts of up to K tokens (values copied "
                     "from the page)")
     args = ap.parse_args()
-    modes = {"off": {"disable_jump_forward": True}, "on": {}}
+    # n-gram drafts pinned off (their default is on where the runner is batch-invariant), so
+    # "off" and "on" compare jump-forward alone
+    modes = {"off": {"disable_jump_forward": True, "speculative_ngram": 0},
+             "on": {"speculative_ngram": 0}}
     if args.speculative_ngram:
         modes[f"on + ngram {args.speculative_ngram}"] = {
             "speculative_ngram": args.speculative_ngram}

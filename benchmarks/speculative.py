@@ -29,11 +29,12 @@ def main() -> None:
     ap.add_argument("--draft", type=int, default=8, help="draft tokens per step when on")
     ap.add_argument("--in-flight", type=int, default=1, help="questions decoded together")
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--dtype", default="auto", help="float32 makes outputs bit-identical; in "
-                    "bf16 a verify pass rounds differently from a decode step, so near-tied "
-                    "greedy choices can flip (as with jump-forward)")
-    ap.add_argument("--quantization", default="auto", help="none: dense weights (the int4 "
-                    "kernels' per-row results depend on the number of rows)")
+    ap.add_argument("--dtype", default="auto", help="auto: the class's own (bf16 on the "
+                    "AVX512-BF16/AMX classes, whose dense prefill copies are not "
+                    "batch-invariant: outputs can differ there)")
+    ap.add_argument("--quantization", default="auto", help="auto: the GGUF's int4 weights on "
+                    "the native kernels (batch-invariant: outputs identical); none: dense "
+                    "weights on torch's matmuls (not batch-invariant)")
     args = ap.parse_args()
     passages, questions = load(None)
     retriever = Retriever(passages)
