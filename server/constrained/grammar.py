@@ -77,18 +77,20 @@ def make_spec(regex: str | None = None, json_schema: Any = None,
     if json_schema is not None:
         # sized before anything else: validating a schema costs time that grows with its size
         # (a 7 MB schema took 24 s), and this runs on the HTTP event loop
+        text = None
         if isinstance(json_schema, str):
             if len(json_schema) > MAX_SCHEMA_TEXT_CHARS:  # room for indentation
                 raise GrammarError("json_schema", f"over {MAX_SCHEMA_TEXT_CHARS} characters")
         else:
-            try:
-                _check_size("json_schema", json.dumps(json_schema, separators=(",", ":")))
+            try:  # keep key order: the schema's property order is the order fields are generated
+                text = json.dumps(json_schema, separators=(",", ":"))
             except (TypeError, ValueError) as exc:  # not JSON data; circular
                 raise GrammarError("json_schema", f"not JSON data: {exc}") from exc
+            _check_size("json_schema", text)
         schema = _load_schema(json_schema)
-        # keep key order: property order in the schema is the order fields are generated in
-        text = json.dumps(schema, separators=(",", ":"))
-        _check_size("json_schema", text)
+        if text is None:  # given as text: its compact form
+            text = json.dumps(schema, separators=(",", ":"))
+            _check_size("json_schema", text)
         return GrammarSpec("json_schema", text)
     if not isinstance(choices, (list, tuple)) or not choices:
         raise GrammarError("choices", "must be a non-empty list of strings")

@@ -15,42 +15,59 @@ MAX_MESSAGES = 1024
 MAX_BATCH = 256
 
 
+def _invalid(text: str) -> bool:
+    """Whether ``text`` holds a lone UTF-16 surrogate (which no UTF-8 encoder accepts)."""
+    if text.isascii():
+        return False
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
 def lone_surrogate_at(data: Any) -> str | None:
     """The path ("stop[1]", "metadata.user") of the first string in parsed JSON ``data``
     (keys included) holding a lone UTF-16 surrogate (a JSON escape such as "\\ud800" with no
-    pair), which no UTF-8 encoder accepts; None when every string is valid Unicode."""
+    pair); None when every string is valid Unicode. One pass; paths are built only for
+    containers and the string found (a list of 100k token ids costs no string work)."""
+    if isinstance(data, str):
+        return "body" if _invalid(data) else None
     stack: list[tuple[Any, str]] = [(data, "")]
     while stack:
         node, path = stack.pop()
-        if isinstance(node, str):
-            if not node.isascii():
-                try:
-                    node.encode("utf-8")
-                except UnicodeEncodeError:
-                    return path or "body"
-        elif isinstance(node, dict):
-            for k, v in node.items():
-                name = str(k).encode("utf-8", "backslashreplace").decode("utf-8")  # printable
-                sub = f"{path}.{name}" if path else name
-                stack.append((k, sub))
-                stack.append((v, sub))
+        if isinstance(node, dict):
+            entries = ((f"{path}.{k}" if path else str(k), k, v) for k, v in node.items())
         elif isinstance(node, list):
-            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(node))
+            entries = ((f"{path}[{i}]", None, v) for i, v in enumerate(node)
+                       if isinstance(v, (str, dict, list)))
+        else:
+            continue
+        for where, key, value in entries:
+            if isinstance(key, str) and _invalid(key):
+                return where.encode("utf-8", "backslashreplace").decode("utf-8")  # printable
+            if isinstance(value, str):
+                if _invalid(value):
+                    return where.encode("utf-8", "backslashreplace").decode("utf-8")
+            elif isinstance(value, (dict, list)):
+                stack.append((value, where))
     return None
 
 
-class RequestBody(BaseModel):
-    """Base of every request body: unknown fields ignored, non-finite numbers and invalid
-    Unicode refused."""
-
+class _Body(BaseModel):
     # NaN and infinities are refused as such ("should be a finite number"), not by a bound
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class RequestBody(_Body):
+    """Base of every top-level request body: unknown fields ignored, non-finite numbers and
+    invalid Unicode refused (the whole body checked once, nested parts included)."""
 
     @model_validator(mode="before")
     @classmethod
     def _valid_unicode(cls, data: Any) -> Any:
-        """Text is checked once, at admission, for every field: a lone surrogate in a field
-        that reaches an encoder later (a stop string, a grammar, a request id) was a 500."""
+        """A lone surrogate in a field that reaches an encoder later (a stop string, a
+        grammar, a request id) was a 500: refused here with the field's path."""
         bad = lone_surrogate_at(data)
         if bad is not None:
             raise ValueError(f"{bad}: text is not valid Unicode (a lone UTF-16 surrogate, "
@@ -58,7 +75,7 @@ class RequestBody(BaseModel):
         return data
 
 
-class StreamOptions(RequestBody):
+class StreamOptions(_Body):
     include_usage: bool = False
 
 
@@ -106,13 +123,13 @@ class CompletionRequest(_OpenAISampling):
     suffix: str | None = None
 
 
-class ContentPart(RequestBody):
+class ContentPart(_Body):
     type: str
     text: str | None = None
     image_url: dict[str, Any] | str | None = None  # {"url": "data:image/png;base64,..."}
 
 
-class ChatMessage(RequestBody):
+class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None

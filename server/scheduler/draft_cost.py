@@ -39,10 +39,13 @@ class PassCosts:
     def __init__(self, alpha: float = 0.25):
         self.alpha = alpha
         self._seconds: dict[int, float] = {}
+        self._counts: list[int] = []  # the measured row counts, sorted (cost() runs every step)
 
     def record(self, rows: int, seconds: float) -> None:
         """One pass of ``rows`` rows took ``seconds``."""
         old = self._seconds.get(rows)
+        if old is None:
+            bisect.insort(self._counts, rows)
         self._seconds[rows] = seconds if old is None else old + self.alpha * (seconds - old)
 
     def cost(self, rows: int) -> float | None:
@@ -52,16 +55,16 @@ class PassCosts:
         fewer than two row counts are measured and ``rows`` is not one of them."""
         if rows in self._seconds:
             return self._seconds[rows]
-        if len(self._seconds) < 2:
+        counts = self._counts
+        if len(counts) < 2:
             return None
-        counts = sorted(self._seconds)
-        i = bisect.bisect(counts, rows)
-        i = min(max(i, 1), len(counts) - 1)  # the pair around rows, or the nearest pair
+        j = bisect.bisect(counts, rows)  # counts[j - 1] < rows < counts[j]
+        i = min(max(j, 1), len(counts) - 1)  # the pair around rows, or the nearest pair
         r0, r1 = counts[i - 1], counts[i]
         c0, c1 = self._seconds[r0], self._seconds[r1]
         estimate = c0 + (c1 - c0) * (rows - r0) / (r1 - r0)
-        below = [self._seconds[r] for r in counts if r < rows]
-        return max(estimate, below[-1]) if below else max(estimate, 0.0)
+        floor = self._seconds[counts[j - 1]] if j > 0 else 0.0
+        return max(estimate, floor)
 
 
 class DraftGate:

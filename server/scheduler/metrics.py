@@ -23,7 +23,6 @@ class SchedulerStats:
     jump_forward_tokens: int = 0  # output tokens appended by jump-forward (no decode step)
     draft_tokens: int = 0  # tokens proposed by drafts (jump-forward and n-gram) and verified
     accepted_draft_tokens: int = 0  # of those, kept because they equalled the sample
-    drafts_dropped: int = 0  # drafts (not tokens) the cost gate refused (draft_cost.DraftGate)
     retractions: int = 0
     aborts: int = 0
     forward_passes: int = 0
@@ -35,10 +34,10 @@ class SchedulerStats:
 
 
 def snapshot(st: SchedulerStats, usage: CacheUsage, *, running: int,
-             waiting: int) -> dict[str, float]:
+             waiting: int, drafts_dropped: int = 0) -> dict[str, float]:
     """Queue sizes (requests), KV memory (tokens, and ``kv_usage`` = share of the pool held by
     requests or locked cache entries), cache counters and the hit rate (cached / prompt
-    tokens)."""
+    tokens), and ``drafts_dropped`` (drafts the cost gate refused, DraftGate.dropped)."""
     return {
         "running_requests": running,
         "waiting_requests": waiting,
@@ -53,7 +52,7 @@ def snapshot(st: SchedulerStats, usage: CacheUsage, *, running: int,
         "jump_forward_tokens": st.jump_forward_tokens,
         "draft_tokens": st.draft_tokens,
         "accepted_draft_tokens": st.accepted_draft_tokens,
-        "drafts_dropped": st.drafts_dropped,
+        "drafts_dropped": drafts_dropped,
         "evicted_tokens": usage.evicted,
         "tier_loaded_tokens": usage.loaded,
         "host_tier_pages": usage.host_pages,

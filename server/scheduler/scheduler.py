@@ -334,9 +334,7 @@ class Scheduler:
         the drafts already kept."""
         rows = (len(self.running) + (req not in self.running)
                 + sum(1 + len(r.draft) for r in self.prefilling if r.draft and r is not req))
-        pays = self.draft_gate.pays(req.draft_source, max(rows, 1), len(req.draft))
-        self.stats.drafts_dropped += not pays
-        return pays
+        return self.draft_gate.pays(req.draft_source, max(rows, 1), len(req.draft))
 
     def _verify_draft(self, req: Req, rows: list[int], logits: torch.Tensor) -> TokenDelta:
         """Sample each draft position as plain decoding would; keep drafts while they match
@@ -393,7 +391,8 @@ class Scheduler:
     def metrics(self) -> dict[str, float]:
         """A monitoring snapshot (see :func:`server.scheduler.metrics.snapshot`)."""
         return snapshot(self.stats, self.cache.usage(),
-                        running=len(self.running) + len(self.prefilling), waiting=len(self.waiting))
+                        running=len(self.running) + len(self.prefilling), waiting=len(self.waiting),
+                        drafts_dropped=self.draft_gate.dropped)
 
     # ---------------------------------------------------------------- checks
     def check_invariants(self) -> None:

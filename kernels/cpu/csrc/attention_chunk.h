@@ -120,10 +120,10 @@ template <int U, typename T>
 inline void pv_units(float* const* acc, const float* const* p, const float* corr,
                      const ChunkRows<T>& rows, int64_t D) {
   // U x W accumulators + W V vectors + a broadcast within AVX2's 16 registers
-  constexpr int W = U == 1 ? 4 : U == 2 ? 4 : 3;
+  constexpr int W = U <= 2 ? 4 : 3;
   for (int64_t d0 = 0; d0 < D; d0 += 8 * W) {
     switch (std::min<int64_t>(W, (D - d0) / 8)) {
-      case 4: pv_block<U, 4 <= W ? 4 : W>(acc, p, corr, rows, d0); break;
+      case 4: if constexpr (W == 4) pv_block<U, 4>(acc, p, corr, rows, d0); break;
       case 3: pv_block<U, 3>(acc, p, corr, rows, d0); break;
       case 2: pv_block<U, 2>(acc, p, corr, rows, d0); break;
       default: pv_block<U, 1>(acc, p, corr, rows, d0); break;
