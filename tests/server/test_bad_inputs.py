@@ -66,24 +66,25 @@ S = "\\ud800"  # a lone surrogate as a client's JSON escapes it (raw JSON text b
 
 
 @pytest.mark.parametrize("path, body, param", [
-    (GEN, '{"text": "x", "sampling_params": {"stop": ["%s"]}}', "sampling_params.stop[0]"),
-    (GEN, '{"text": "x", "sampling_params": {"regex": "a%s"}}', "sampling_params.regex"),
-    (GEN, '{"text": "x", "sampling_params": {"ebnf": "root ::= \\"%s\\""}}',
+    (GEN, '{"text": "x", "sampling_params": {"max_new_tokens": 1, "stop": ["%s"]}}',
+     "sampling_params.stop[0]"),
+    (GEN, '{"text": "x", "sampling_params": {"max_new_tokens": 1, "regex": "a%s"}}', "sampling_params.regex"),
+    (GEN, '{"text": "x", "sampling_params": {"max_new_tokens": 1, "ebnf": "root ::= \\"%s\\""}}',
      "sampling_params.ebnf"),
-    (GEN, '{"text": "x", "sampling_params": {"stop_regex": "%s"}}',
+    (GEN, '{"text": "x", "sampling_params": {"max_new_tokens": 1, "stop_regex": "%s"}}',
      "sampling_params.stop_regex"),
-    (GEN, '{"text": "x", "rid": "r%s"}', "rid"),
-    (GEN, '{"text": "x", "cache_salt": "%s"}', "cache_salt"),
-    (GEN, '{"text": "x", "sampling_params": {"choices": ["a", "%s"]}}',
+    (GEN, '{"text": "x", "sampling_params": {"max_new_tokens": 1}, "rid": "r%s"}', "rid"),
+    (GEN, '{"text": "x", "sampling_params": {"max_new_tokens": 1}, "cache_salt": "%s"}', "cache_salt"),
+    (GEN, '{"text": "x", "sampling_params": {"max_new_tokens": 1, "choices": ["a", "%s"]}}',
      "sampling_params.choices[1]"),
-    (CHAT, '{"messages": [{"role": "user", "content": "hi"}], "stop": "%s"}', "stop"),
-    (CHAT, '{"messages": [{"role": "user", "content": "hi"}], "regex": "%s"}', "regex"),
-    (CMPL, '{"prompt": "hi", "stop": ["%s"]}', "stop[0]"),
-    (CMPL, '{"prompt": "hi %s"}', "prompt"),
+    (CHAT, '{"max_tokens": 1, "messages": [{"role": "user", "content": "hi"}], "stop": "%s"}', "stop"),
+    (CHAT, '{"max_tokens": 1, "messages": [{"role": "user", "content": "hi"}], "regex": "%s"}', "regex"),
+    (CMPL, '{"max_tokens": 1, "prompt": "hi", "stop": ["%s"]}', "stop[0]"),
+    (CMPL, '{"max_tokens": 1, "prompt": "hi %s"}', "prompt"),
     ("/abort_request", '{"rid": "%s"}', "rid"),
-    ("/v1/responses", '{"input": "hi", "user": "%s"}', "user"),
-    ("/v1/responses", '{"input": "hi", "metadata": {"k": "%s"}}', "metadata.k"),
-    ("/v1/responses", '{"input": "hi", "metadata": {"%s": "v"}}', "metadata."),
+    ("/v1/responses", '{"max_output_tokens": 1, "input": "hi", "user": "%s"}', "user"),
+    ("/v1/responses", '{"max_output_tokens": 1, "input": "hi", "metadata": {"k": "%s"}}', "metadata.k"),
+    ("/v1/responses", '{"max_output_tokens": 1, "input": "hi", "metadata": {"%s": "v"}}', "metadata."),
 ])
 def test_a_lone_surrogate_in_any_field_is_a_400_naming_it(healthy, path, body, param):
     """Unicode is checked once at admission for every field: a lone surrogate that reached an
@@ -213,12 +214,16 @@ def test_an_oversized_schema_is_refused_for_its_size_before_it_is_validated(heal
     tool = {"type": "function", "function": {"name": "f", "parameters": big}}
     with healthy.client() as c:
         for resp, param in [
-                (c.post(CHAT, json={"messages": MSG, "response_format": fmt}), "json_schema"),
-                (c.post(CHAT, json={"messages": MSG, "tools": [tool]}), "parameters"),
-                (c.post(GEN, json={"text": "x", "sampling_params": {"json_schema": big}}),
+                (c.post(CHAT, json={"messages": MSG, "max_tokens": 1, "response_format": fmt}),
+                 "json_schema"),
+                (c.post(CHAT, json={"messages": MSG, "max_tokens": 1, "tools": [tool]}),
+                 "parameters"),
+                (c.post(GEN, json={"text": "x", "sampling_params": {"max_new_tokens": 1,
+                                                                   "json_schema": big}}),
                  "json_schema"),
                 (c.post(GEN, json={"text": "x", "sampling_params": {
-                    "json_schema": json.dumps(big, indent=2)}}), "json_schema")]:
+                    "max_new_tokens": 1, "json_schema": json.dumps(big, indent=2)}}),
+                 "json_schema")]:
             check_error(resp, 400, param, contains="characters")
         assert c.get("/health").status_code == 200
 
