@@ -15,6 +15,7 @@ import json
 from typing import Any
 
 from server.http.schemas import (
+    MAX_BATCH,
     ChatCompletionRequest,
     CompletionRequest,
     GenerateRequest,
@@ -38,6 +39,7 @@ async def admit_completion(manager: TokenizerManager, body: CompletionRequest
     if body.suffix:
         raise ApiError(400, "'suffix' is not supported", param="suffix")
     prompts = await _prompts(manager, body.prompt)
+    _check_batch(manager, len(prompts) * body.n, "prompt")
     want_lp = body.logprobs is not None
     given = body.max_tokens if "max_tokens" in body.model_fields_set or \
         body.max_new_tokens is None else body.max_new_tokens
@@ -84,6 +86,7 @@ async def admit_chat(manager: TokenizerManager, body: ChatCompletionRequest
     given = max_tokens is not None
     if not given:
         max_tokens = _default_max_tokens(manager, len(ids))
+    _check_batch(manager, body.n, "n")
     inputs = [GenerateInput(ids, _params(body, max_tokens, j, constraint),
                             return_logprob=body.logprobs, top_logprobs_num=body.top_logprobs or 0,
                             reasoning_state=state, images=image_parts, max_tokens_given=given)
@@ -91,6 +94,17 @@ async def admit_chat(manager: TokenizerManager, body: ChatCompletionRequest
     for inp in inputs:
         manager.validate(inp, CHAT_NAMES)
     return inputs, tools, use_tools
+
+
+def _check_batch(manager: TokenizerManager, count: int, param: str) -> None:
+    """A request runs ``count`` sequences (prompts x n): at most MAX_BATCH and the server's
+    queue size (413 naming the limit, which no retry changes), and all of them or none enter the queue (503 +
+    Retry-After when they do not fit now), so a batch never half-starts."""
+    limit = min(MAX_BATCH, manager.max_queued_requests)
+    if count > limit:
+        raise ApiError(413, f"{param}: a request runs at most {limit} sequences (prompts "
+                       f"x n); this one asks for {count}: split it", param=param)
+    manager.check_capacity(count)
 
 
 def _constraint(body: _OpenAISampling) -> dict[str, Any]:
@@ -244,6 +258,7 @@ async def admit_generate(manager: TokenizerManager, body: GenerateRequest
         prompts = [list(body.input_ids)] if single else [list(p) for p in body.input_ids]
     if not prompts:
         raise ApiError(400, "the batch is empty", param="text")
+    _check_batch(manager, len(prompts), "text" if body.text is not None else "input_ids")
     images = await _generate_images(manager, body.image_data, prompts, single)
     sp = body.sampling_params
     sps = sp if isinstance(sp, list) else [sp or {}] * len(prompts)

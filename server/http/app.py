@@ -23,7 +23,9 @@ from server.http.tokenizer_manager import ApiError, TokenizerManager
 
 class BodySizeLimit:
     """Pure-ASGI middleware: 413 when Content-Length, or the bytes actually received, exceed
-    ``max_bytes``. Other ``receive`` events (client disconnects) pass through untouched."""
+    ``max_bytes``, before any route parses the body. A body without Content-Length (chunked
+    transfer encoding) is read here, up to ``max_bytes``, and replayed to the app; events
+    after the body (a client disconnect) pass through untouched."""
 
     def __init__(self, app, max_bytes: int):
         self.app, self.max_bytes = app, max_bytes
@@ -31,22 +33,33 @@ class BodySizeLimit:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        for k, v in scope["headers"]:
-            if k == b"content-length" and v.isdigit() and int(v) > self.max_bytes:
-                return await error_response(413, f"body over {self.max_bytes} bytes")(
-                    scope, receive, send)
-        seen = 0
-
-        async def limited_receive():
-            nonlocal seen
+        too_big = error_response(413, f"body over {self.max_bytes} bytes")
+        length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+        if length is not None:  # the HTTP parser holds the client to the length it declared
+            if length.isdigit() and int(length) > self.max_bytes:
+                return await too_big(scope, receive, send)
+            return await self.app(scope, receive, send)
+        chunks, seen = [], 0
+        while True:
             event = await receive()
-            if event["type"] == "http.request":
-                seen += len(event.get("body", b""))
-                if seen > self.max_bytes:
-                    raise ApiError(413, f"body over {self.max_bytes} bytes")
-            return event
+            if event["type"] != "http.request":  # gone before the body ended: nothing to serve
+                return None
+            chunks.append(event.get("body", b""))
+            seen += len(chunks[-1])
+            if seen > self.max_bytes:
+                return await too_big(scope, receive, send)
+            if not event.get("more_body", False):
+                break
+        replayed = False
 
-        return await self.app(scope, limited_receive, send)
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        return await self.app(scope, replay, send)
 
 
 def create_app(manager: TokenizerManager, *, model_name: str, model_path: str | None,

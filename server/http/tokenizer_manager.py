@@ -275,6 +275,16 @@ class TokenizerManager:
             raise ApiError(400, f"logprob_start_len {inp.logprob_start_len} is not below the "
                            f"prompt length {len(inp.input_ids)}", param="logprob_start_len")
 
+    def check_capacity(self, count: int) -> None:
+        """Raise ApiError 503 (+ Retry-After) unless ``count`` more requests fit in flight now
+        and the scheduler process is running."""
+        if not self.scheduler_alive:
+            raise ApiError(503, "the scheduler process is not running", type="server_error")
+        if len(self.queues) + count > self.max_queued_requests:
+            raise ApiError(503, f"too many requests in flight ({len(self.queues)} of "
+                           f"{self.max_queued_requests}; this request needs {count})",
+                           type="server_error", headers={"Retry-After": "1"})
+
     async def generate(self, inp: GenerateInput) -> AsyncIterator[P.ReqOutput]:
         """Send one request and yield its outputs (text filled in, cut at a stop string) until
         it finishes. ``inp`` must have passed :meth:`validate` (the routes' admission step,
@@ -283,11 +293,7 @@ class TokenizerManager:
 
         Cancelling the consumer (a client disconnect) aborts the request in the scheduler.
         """
-        if not self.scheduler_alive:
-            raise ApiError(503, "the scheduler process is not running", type="server_error")
-        if len(self.queues) >= self.max_queued_requests:
-            raise ApiError(503, f"too many requests in flight ({len(self.queues)})",
-                           type="server_error", headers={"Retry-After": "1"})
+        self.check_capacity(1)
         rid = inp.rid or uuid.uuid4().hex
         if rid in self.queues:
             raise ApiError(400, f"duplicate request id {rid!r}", param="rid")

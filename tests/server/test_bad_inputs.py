@@ -45,6 +45,41 @@ def test_body_over_the_size_limit_is_413(healthy):
     check_error(resp, 413)
 
 
+def test_chunked_body_over_the_size_limit_is_413(healthy):
+    """A body without Content-Length (chunked transfer encoding) is counted as it arrives:
+    413 once past the limit, not a parse error after reading it all."""
+    head = b'{"max_tokens": 1, "messages": [{"role": "user", "content": "'
+
+    def body(n_chunks):
+        yield head
+        for _ in range(n_chunks):
+            yield b"x" * (1 << 20)
+        yield b'"}]}'
+
+    with healthy.client() as c:
+        resp = c.post(CHAT, content=body(9), headers={"content-type": "application/json"})
+        check_error(resp, 413, contains="body over")
+        ok = c.post(CHAT, content=body(0), headers={"content-type": "application/json"})
+    assert ok.status_code == 200, ok.text  # a small chunked body is served as usual
+
+
+@pytest.mark.parametrize("path, body, param", [
+    (GEN, {"text": ["x"] * 257, "sampling_params": {"max_new_tokens": 1}}, "text"),
+    (GEN, {"input_ids": [[1, 2]] * 257, "sampling_params": {"max_new_tokens": 1}}, "input_ids"),
+    (CMPL, {"prompt": ["x"] * 5, "n": 64, "max_tokens": 1}, "prompt"),  # 320 sequences
+])
+def test_batch_over_the_limit_is_413_naming_it(healthy, path, body, param):
+    """A batch larger than 256 sequences is refused whole with the limit named (a 503 would
+    invite retries that can never succeed); nothing of it is queued."""
+    with healthy.client() as c:
+        resp = c.post(path, json=body)
+        check_error(resp, 413, param, contains="at most 256")
+        ok = c.post(path, json={**body, **({"text": ["x"] * 256} if "text" in body else
+                                           {"input_ids": [[1, 2]] * 2} if path == GEN else
+                                           {"prompt": ["x"] * 4})})
+    assert ok.status_code == 200, ok.text
+
+
 def test_too_many_messages(healthy):
     with healthy.client() as c:
         resp = c.post(CHAT, json={"messages": MSG * 1025})
