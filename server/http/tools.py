@@ -38,6 +38,10 @@ def parse_tools(tools: list[dict[str, Any]] | None) -> dict[str, dict[str, Any]]
         if not isinstance(params, dict):
             raise ApiError(400, f"tools[{i}].function.parameters must be a JSON schema object",
                            param="tools")
+        if params.get("type", "object") != "object":  # arguments are a JSON object (OpenAI's rule)
+            raise ApiError(400, f"tools[{i}].function.parameters must describe an object "
+                           f"(type 'object'), not type {params['type']!r}: a call's arguments "
+                           "are a JSON object", param=f"tools[{i}].function.parameters")
         try:  # checked for every tool_choice, not only when a call is forced
             make_spec(json_schema=params)
         except GrammarError as exc:
@@ -50,7 +54,11 @@ def parse_tools(tools: list[dict[str, Any]] | None) -> dict[str, dict[str, Any]]
 
 
 def forced_names(tools: dict[str, dict], tool_choice: Any) -> list[str] | None:
-    """Names the reply must call (grammar-enforced), [] for no tools, None for "auto"."""
+    """Names the reply must call (grammar-enforced), [] for no tools, None for "auto".
+    Raises ApiError 400 for a tool_choice that forces a call without tools to call."""
+    if not tools and tool_choice not in (None, "auto", "none"):
+        raise ApiError(400, "tool_choice forces a tool call but no tools are given",
+                       param="tool_choice")
     if not tools or tool_choice == "none":
         return []
     if tool_choice in (None, "auto"):

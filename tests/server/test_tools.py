@@ -99,3 +99,39 @@ def test_default_model_tool_calls(default_server):
         _check_call(choice, {"get_weather", "get_time"})
     else:
         assert choice.message.content
+
+
+@pytest.mark.parametrize("tools, tool_choice, param", [
+    # arguments are a JSON object: a parameters schema rooted in another type cannot be a call
+    ([{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "array", "items": {"type": "integer"}}}}], "required",
+     "tools[0].function.parameters"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}],
+     "auto", "tools[0].function.parameters"),
+    # a forced call with nothing to call is refused, not answered with plain text
+    (None, "required", "tool_choice"),
+    ([], {"type": "function", "function": {"name": "get_time"}}, "tool_choice"),
+    (TOOLS, {"type": "function", "function": {"name": "absent"}}, "tool_choice"),
+])
+def test_forced_calls_that_cannot_be_calls_are_400(client, tools, tool_choice, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="m", messages=MSG, tools=tools, max_tokens=4,
+                                       tool_choice=tool_choice)
+    err = info.value.body
+    assert param in (err.get("param") or "") + err["message"], err
+
+
+def test_any_object_parameters_schema_gives_a_call(client):
+    """A parameters schema without a type (properties only) or one that is empty still yields
+    a forced call whose arguments are an object."""
+    for params in ({"properties": {"n": {"type": "integer", "maximum": 9}}, "required": ["n"]},
+                   {}):
+        tools = [{"type": "function", "function": {"name": "f", "parameters": params}}]
+        r = client.chat.completions.create(model="m", messages=MSG, tools=tools, max_tokens=60,
+                                           tool_choice="required", temperature=0)
+        choice = r.choices[0]
+        assert choice.finish_reason in ("tool_calls", "length")
+        if choice.finish_reason == "tool_calls":
+            args = json.loads(choice.message.tool_calls[0].function.arguments)
+            assert isinstance(args, dict)
+            jsonschema.validate(args, params)
