@@ -5,8 +5,10 @@
 * If the child dies, in-flight requests get a 503 at once, /health turns 503, and the server
   exits non-zero.
 * With ``--parent-pid`` the server shuts down the same way once that process is gone.
-* On SIGTERM uvicorn stops accepting connections and lets in-flight requests drain for up to
-  ``shutdown_timeout`` seconds; then the child is terminated and reaped, and the exit code is 0.
+* On SIGTERM or SIGINT (or the ``--parent-pid`` process gone) the server drains
+  (:mod:`server.http.drain`): new requests get 503 + Retry-After, in-flight ones run for up to
+  ``shutdown_timeout`` seconds and then end with an error event; then uvicorn stops, the child
+  is terminated and reaped, and the exit code is 0. A second signal stops at once.
 """
 
 from __future__ import annotations
@@ -34,6 +36,43 @@ log = logging.getLogger("server.launch")
 
 class SchedulerDiedError(RuntimeError):
     pass
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn's server with its first SIGTERM/SIGINT turned into :meth:`drain` (uvicorn's own
+    handling closes the listener at once, so new clients saw connection errors); a second
+    signal is uvicorn's usual stop."""
+
+    def __init__(self, config: uvicorn.Config, app):
+        super().__init__(config)
+        self.app = app
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._signalled = False
+        self._drain_task: asyncio.Task | None = None
+
+    async def serve(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig, frame) -> None:
+        if not self._signalled and self.started and self._loop is not None:
+            self._signalled = True  # a signal handler only schedules; the loop does the work
+            self._loop.call_soon_threadsafe(self.drain)
+            return
+        super().handle_exit(sig, frame)
+
+    def drain(self) -> None:
+        """Begin the drain (once); uvicorn stops when it has ended."""
+        if not self.app.state.drain.begin():
+            return
+
+        async def run() -> None:
+            log.info("draining: in-flight requests may run %.0f s; new ones get 503",
+                     self.app.state.drain.timeout)
+            await self.app.state.drain.run(self.app.state.manager)
+            self.should_exit = True
+
+        self._drain_task = asyncio.get_running_loop().create_task(run())
 
 
 async def _wait_ready(recv: zmq.asyncio.Socket, proc, timeout: float) -> P.Ready:
@@ -83,14 +122,16 @@ async def serve(engine_config: EngineConfig, http: HTTPConfig) -> int:
                          max_body_bytes=http.max_body_bytes,
                          responses_store_size=http.responses_store_size,
                          incremental_streaming_output=http.incremental_streaming_output,
+                         drain_timeout=http.shutdown_timeout,
                          server_args={"schedule_policy": engine_config.scheduler.schedule_policy,
                                       "disable_radix_cache":
                                           engine_config.cache.disable_radix_cache,
                                       "chunked_prefill_size":
                                           engine_config.scheduler.chunked_prefill_size})
-        server = uvicorn.Server(uvicorn.Config(
+        # the drain has ended every request before uvicorn stops: its own wait is a backstop
+        server = _DrainingServer(uvicorn.Config(
             app, host=http.host, port=http.port, log_level=http.log_level,
-            timeout_graceful_shutdown=http.shutdown_timeout, access_log=False))
+            timeout_graceful_shutdown=5, access_log=False), app)
         died = asyncio.Event()
 
         async def watch() -> None:
@@ -109,7 +150,7 @@ async def serve(engine_config: EngineConfig, http: HTTPConfig) -> int:
                 if http.parent_pid is not None and os.getppid() != http.parent_pid:
                     log.error("the process that started the server (%d) is gone; shutting "
                               "down", http.parent_pid)
-                    server.should_exit = True
+                    server.drain()
                     return
             log.error("the scheduler process died (exit code %s); shutting down", proc.exitcode)
             manager.fail_all("the scheduler process died")
@@ -117,7 +158,7 @@ async def serve(engine_config: EngineConfig, http: HTTPConfig) -> int:
             server.should_exit = True
 
         watcher = asyncio.create_task(watch())
-        # uvicorn handles SIGTERM/SIGINT (graceful drain), then restores the previous handlers
+        # uvicorn routes SIGTERM/SIGINT to handle_exit (the drain), then restores the previous handlers
         # and re-raises the signal. With the default handlers that would kill this process
         # before the child is reaped; no-op handlers let the shutdown below run.
         for sig in (signal.SIGTERM, signal.SIGINT):

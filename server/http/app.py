@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.http import native_routes, openai_routes, ops_routes, responses_routes
 from server.http.auth import APIKeyMiddleware
+from server.http.drain import Drain, DrainGate
 from server.http.responses import api_error_response, error_response
 from server.http.responses_items import ResponseStore
 from server.http.tokenizer_manager import ApiError, TokenizerManager
@@ -65,8 +66,11 @@ class BodySizeLimit:
 def create_app(manager: TokenizerManager, *, model_name: str, model_path: str | None,
                api_key: str | None = None, max_body_bytes: int = 8 << 20,
                responses_store_size: int = 1024, incremental_streaming_output: bool = False,
-               server_args: dict[str, Any] | None = None) -> FastAPI:
-    """Build the app around a TokenizerManager (whose receive loop starts with the app)."""
+               server_args: dict[str, Any] | None = None, drain_timeout: float = 30.0
+               ) -> FastAPI:
+    """Build the app around a TokenizerManager (whose receive loop starts with the app).
+    ``app.state.drain`` (:class:`server.http.drain.Drain`, ``drain_timeout`` seconds) is the
+    shutdown the launcher starts on SIGTERM."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -82,6 +86,7 @@ def create_app(manager: TokenizerManager, *, model_name: str, model_path: str | 
     app.state.metrics = ops_routes.ServerMetrics()
     app.state.response_store = ResponseStore(responses_store_size)
     app.state.incremental_streaming_output = incremental_streaming_output
+    app.state.drain = Drain(drain_timeout)
     manager.observers.append(app.state.metrics.observe)
 
     @app.exception_handler(ApiError)
@@ -117,4 +122,5 @@ def create_app(manager: TokenizerManager, *, model_name: str, model_path: str | 
     app.include_router(ops_routes.router)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(DrainGate, drain=app.state.drain)  # outermost: refuses before auth
     return app

@@ -128,6 +128,7 @@ class TokenizerManager:
         self._reply_lock = asyncio.Lock()
         self._recv_task: asyncio.Task | None = None
         self.scheduler_alive = True
+        self.unavailable: str | None = None  # why new requests get 503 (fail_all)
         self.observers: list[Any] = []  # called as obs(event, rid, seconds) for metrics
         # Tokenization and chat templates of requests run here, off the event loop.
         self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(
@@ -142,9 +143,11 @@ class TokenizerManager:
             self._recv_task.cancel()
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
-    def fail_all(self, message: str) -> None:
-        """The scheduler is gone: every waiting handler gets a 503 error now."""
-        self.scheduler_alive = False
+    def fail_all(self, message: str, scheduler_gone: bool = True) -> None:
+        """Every waiting handler gets a 503 error with ``message`` now, and so does every new
+        request: the scheduler is gone, or (``scheduler_gone`` False) a drain has ended."""
+        self.unavailable = message
+        self.scheduler_alive = self.scheduler_alive and not scheduler_gone
         for rid, q in list(self.queues.items()):
             q.put_nowait(P.ReqError(rid, message, status=503))
 
@@ -277,9 +280,9 @@ class TokenizerManager:
 
     def check_capacity(self, count: int) -> None:
         """Raise ApiError 503 (+ Retry-After) unless ``count`` more requests fit in flight now
-        and the scheduler process is running."""
-        if not self.scheduler_alive:
-            raise ApiError(503, "the scheduler process is not running", type="server_error")
+        and requests are served (:meth:`fail_all` was not called)."""
+        if self.unavailable is not None:
+            raise ApiError(503, self.unavailable, type="server_error")
         if len(self.queues) + count > self.max_queued_requests:
             raise ApiError(503, f"too many requests in flight ({len(self.queues)} of "
                            f"{self.max_queued_requests}; this request needs {count})",

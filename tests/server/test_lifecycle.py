@@ -78,6 +78,12 @@ def test_sigterm_drains_in_flight_streams_then_exits_zero(server):
     results, threads = _start_streams(server.url, 12, server)  # 3 waves of 4 running
     server.proc.send_signal(signal.SIGTERM)
     sent_at = time.monotonic()
+    time.sleep(0.3)
+    # while draining the listener stays open: new requests (health checks too) get 503 with
+    # Retry-After, so a load balancer sees the replica leave instead of connection errors
+    resp = httpx.get(server.url + "/health", timeout=5)
+    assert resp.status_code == 503 and int(resp.headers["retry-after"]) >= 1, resp.text
+    assert resp.json()["error"]["code"] == "unavailable"
     for t in threads:
         t.join(90)
     assert len(results) == 12
@@ -85,10 +91,55 @@ def test_sigterm_drains_in_flight_streams_then_exits_zero(server):
                 and r[1]["meta_info"]["finish_reason"] == {"type": "length"}]
     assert len(finished) == 12, results[:3]
     assert any(r[2] > sent_at + 0.2 for r in results), "streams ended before SIGTERM mattered"
-    with pytest.raises(httpx.HTTPError):  # no new requests are accepted while draining/after
-        httpx.get(server.url + "/health", timeout=2).raise_for_status()
     assert server.proc.wait(60) == 0
     assert "scheduler" not in os.popen(f"pgrep -P {server.proc.pid} -a").read()
+
+
+def test_drain_deadline_ends_streams_with_an_error_event(make_tiny_model):
+    """Streams still running when the drain time is over end with an SSE error event and
+    [DONE], not a cut connection; the server then exits 0."""
+    path, _ = make_tiny_model("llama")
+    s = ServerProcess("--model", path, "--dtype", "float32", "--max-total-tokens", "16384",
+                      "--context-length", "512", "--shutdown-timeout", "0.5")
+    try:
+        done: list = []
+        started = [threading.Event() for _ in range(4)]
+
+        def stream(i):
+            body = {"input_ids": [5 + i, 6, 7], "stream": True, "sampling_params": {
+                "max_new_tokens": 500, "temperature": 0, "ignore_eos": True}}
+            with httpx.Client(base_url=s.url, timeout=60) as c:
+                with c.stream("POST", "/generate", json=body) as resp:
+                    lines = []
+                    for line in resp.iter_lines():
+                        lines.append(line)
+                        started[i].set()
+                    done.append((resp.status_code, lines))
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        assert all(e.wait(30) for e in started), "the streams never started"
+        s.proc.send_signal(signal.SIGTERM)
+        sent_at = time.monotonic()
+        for t in threads:
+            t.join(30)
+        assert len(done) == 4 and time.monotonic() - sent_at < 15
+        cut = 0
+        for status, lines in done:
+            events = [ln for ln in lines if ln.startswith("data: ")]
+            assert status == 200 and events[-1] == "data: [DONE]", events[-3:]
+            last = json.loads(events[-2][6:])
+            if "error" in last:  # cut by the drain's end, with the reason
+                cut += 1
+                assert last["error"]["code"] == "unavailable"
+                assert "shutting down" in last["error"]["message"]
+            else:
+                assert last["meta_info"]["finish_reason"] == {"type": "length"}
+        assert cut, "every stream finished within 0.5 s; make them longer"
+        assert s.proc.wait(30) == 0
+    finally:
+        s.stop(signal.SIGKILL)
 
 
 def test_full_queue_answers_503_with_retry_after(make_tiny_model):
