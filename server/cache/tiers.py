@@ -12,11 +12,16 @@ every token of pages 0..k, so equal names mean equal prefixes (and equal KV).
 * :class:`DiskTier`: one file per page under ``DIR/<fingerprint>/`` (the fingerprint names the
   model, dtype, quantization and KV layout: a cache written by another model or format sits in
   another directory and is never read). A file is a magic line, a JSON header (fingerprint,
-  shape, dtype, SHA-256 of the payload) and the payload; it is written to a temporary name and
-  renamed, so ``kill -9`` during a write leaves at most a ``.tmp`` file, removed at the next
-  start. A file that fails its checks (truncated, corrupted, another fingerprint) is deleted and
-  counted, never loaded. Writes run on a writer thread; the directory is bounded in bytes
-  (oldest first out).
+  shape, dtype, and an HMAC-SHA256 of the page's name, header fields and payload) and the
+  payload; it is written to a temporary name and renamed, so ``kill -9`` during a write leaves
+  at most a ``.tmp`` file, removed at the next start. The MAC key is ``DIR/.key`` (32 random
+  bytes, created 0600 on first use): a page that anyone without the key wrote or renamed fails
+  its check, where a plain checksum let a forged page with a recomputed SHA-256 load and change
+  outputs. Only regular files of exactly a page's size are read (opened without following links
+  or blocking: a named pipe in place of a page hung every request that needed it). A file that
+  fails its checks (truncated, corrupted, forged, another fingerprint) is deleted and counted,
+  never loaded. Writes run on a writer thread; the directory is bounded in bytes (oldest first
+  out).
 
 :class:`server.cache.manager.CacheManager` spills evicted radix-tree leaves into the tiers and
 loads pages back at admission.
@@ -25,20 +30,57 @@ loads pages back at admission.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import logging
 import os
 import queue
+import secrets
+import stat
 import threading
 from collections import OrderedDict
 from typing import Hashable, Sequence
 
 import torch
 
+from server.config import ConfigError
+
 log = logging.getLogger("server.cache")
 
 PAGE_TOKENS = 64
-_MAGIC = b"SGLKV1\n"
+_MAGIC = b"SGLKV2\n"
+KEY_FILE = ".key"
+_MAX_HEADER_BYTES = 4096
+_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
+
+
+def cache_key(root: str) -> bytes:
+    """The 32-byte MAC key of the cache directory ``root``: read from ``root/.key``, or
+    created there (mode 0600, atomically) on first use. Raises ConfigError when the file is
+    not a regular 32-byte file owned by this user and private to it."""
+    path = os.path.join(root, KEY_FILE)
+    if not os.path.lexists(path):
+        tmp = f"{path}.{os.getpid()}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(secrets.token_bytes(32))
+        try:
+            os.link(tmp, path)  # fails if another process created the key meanwhile
+        except FileExistsError:
+            pass
+        finally:
+            os.remove(tmp)
+    try:
+        fd = os.open(path, _OPEN_FLAGS)
+    except OSError as exc:
+        raise ConfigError(f"cache dir key {path}: {exc}") from exc
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077 \
+                or st.st_size != 32:
+            raise ConfigError(f"cache dir key {path} must be a 32-byte regular file owned by "
+                              "this user with mode 0600; remove it to start a new cache")
+        return f.read(32)
 
 
 def kv_fingerprint(loaded, model_config, page_shape: Sequence[int]) -> str:
@@ -81,7 +123,10 @@ class DiskTier:
         self.shape, self.dtype = tuple(shape), dtype
         self.rejected = 0  # files that failed their checks (deleted)
         os.makedirs(self.dir, exist_ok=True)
-        others = [d for d in os.listdir(root) if d != fingerprint]
+        self._key = cache_key(root)
+        self._payload_bytes = torch.Size(shape).numel() * dtype.itemsize
+        others = [d for d in os.listdir(root) if d != fingerprint
+                  and os.path.isdir(os.path.join(root, d))]
         if others:
             log.warning("cache dir %s: ignoring %d cache(s) written by another model or format",
                         root, len(others))
@@ -92,7 +137,10 @@ class DiskTier:
             if name.endswith(".tmp"):  # a write that never finished (kill -9)
                 os.remove(path)
             elif name.endswith(".kv"):
-                st = os.stat(path)
+                st = os.lstat(path)
+                if not stat.S_ISREG(st.st_mode):  # a link, pipe or device is never opened
+                    log.warning("cache dir: ignoring %s (not a regular file)", path)
+                    continue
                 entries.append((st.st_mtime, name[:-3], st.st_size))
         for _, name, size in sorted(entries):
             self._sizes[name] = size
@@ -121,18 +169,25 @@ class DiskTier:
             return None
         path = os.path.join(self.dir, name + ".kv")
         try:
-            with open(path, "rb") as f:
-                blob = f.read()
+            fd = os.open(path, _OPEN_FLAGS)
+            with os.fdopen(fd, "rb") as f:
+                st = os.fstat(f.fileno())
+                limit = len(_MAGIC) + _MAX_HEADER_BYTES + self._payload_bytes
+                if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
+                    raise ValueError("not a regular file of a page's size")
+                blob = f.read(limit + 1)
             if not blob.startswith(_MAGIC):
                 raise ValueError("bad magic")
             end = blob.index(b"\n", len(_MAGIC))
             header = json.loads(blob[len(_MAGIC):end])
             payload = blob[end + 1:]
-            if (header.get("fingerprint") != self.fingerprint
+            if (not isinstance(header, dict) or header.get("fingerprint") != self.fingerprint
                     or tuple(header.get("shape", ())) != self.shape
                     or header.get("dtype") != str(self.dtype)
-                    or hashlib.sha256(payload).hexdigest() != header.get("sha256")):
-                raise ValueError("header or checksum mismatch")
+                    or len(payload) != self._payload_bytes
+                    or not hmac.compare_digest(self._mac(name, payload),
+                                               str(header.get("mac", "")))):
+                raise ValueError("header or MAC mismatch")
             page = torch.frombuffer(bytearray(payload), dtype=self.dtype).view(self.shape)
         except (OSError, ValueError, RuntimeError) as exc:
             self._reject(name, path, exc)
@@ -141,6 +196,13 @@ class DiskTier:
             if name in self._sizes:
                 self._sizes.move_to_end(name)
         return page
+
+    def _mac(self, name: str, payload: bytes) -> str:
+        """HMAC-SHA256 (hex) over the page's name, format fields and payload."""
+        mac = hmac.new(self._key, json.dumps([name, self.fingerprint, list(self.shape),
+                                              str(self.dtype)]).encode(), hashlib.sha256)
+        mac.update(payload)
+        return mac.hexdigest()
 
     def flush(self) -> None:
         """Block until every queued page is on disk."""
@@ -172,7 +234,7 @@ class DiskTier:
         payload = page.contiguous().view(torch.uint8).numpy().tobytes()
         header = json.dumps({"fingerprint": self.fingerprint, "shape": list(self.shape),
                              "dtype": str(self.dtype),
-                             "sha256": hashlib.sha256(payload).hexdigest()}).encode()
+                             "mac": self._mac(name, payload)}).encode()
         path = os.path.join(self.dir, name + ".kv")
         tmp = path + ".tmp"
         with open(tmp, "wb") as f:

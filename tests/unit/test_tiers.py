@@ -20,6 +20,7 @@ from server.cache.manager import CacheManager
 from server.cache.radix_tree import RadixCache
 from server.cache.req_table import ReqToTokenTable
 from server.cache.tiers import PAGE_TOKENS, DiskTier, HostTier, KVTiers, page_hashes
+from server.config import ConfigError
 from server.model.sampling import SamplingParams
 from server.scheduler.request import Req
 
@@ -48,6 +49,60 @@ def test_disk_pages_round_trip_and_bad_files_are_dropped(tmp_path):
     # another model's cache is a sibling directory, never read
     other = DiskTier(str(tmp_path), "fp2", 1 << 30, SHAPE, torch.float32)
     assert len(other) == 0 and other.get("p0") is None
+
+
+def test_disk_pages_are_authenticated_per_cache_dir(tmp_path):
+    """A page written with another key (a forger who can recompute any checksum but cannot
+    read the 0600 key) or moved to another page's name is dropped, never loaded."""
+    disk = DiskTier(str(tmp_path / "a"), "fp", 1 << 30, SHAPE, torch.float32)
+    key_path = tmp_path / "a" / ".key"
+    assert oct(key_path.stat().st_mode & 0o777) == "0o600" and len(key_path.read_bytes()) == 32
+    forger = DiskTier(str(tmp_path / "b"), "fp", 1 << 30, SHAPE, torch.float32)
+    for d in (disk, forger):
+        d.put("p0", page(0))
+        d.put("p1", page(1))
+        d.flush()
+    forged = torch.full(SHAPE, 7.0)
+    forger._write("p9", forged)  # a well-formed page under the forger's key ...
+    os.replace(os.path.join(forger.dir, "p9.kv"), os.path.join(disk.dir, "p0.kv"))
+    # ... and one of our own pages renamed to another prefix's name
+    os.replace(os.path.join(disk.dir, "p1.kv"), os.path.join(disk.dir, "p2.kv"))
+    again = DiskTier(str(tmp_path / "a"), "fp", 1 << 30, SHAPE, torch.float32)
+    assert again.get("p0") is None and again.get("p2") is None and again.rejected == 2
+    # a fresh start keeps the key: its own pages still load
+    again.put("p3", page(3))
+    again.flush()
+    assert torch.equal(DiskTier(str(tmp_path / "a"), "fp", 1 << 30, SHAPE,
+                                torch.float32).get("p3"), page(3))
+
+
+def test_disk_tier_refuses_special_and_oversized_files(tmp_path):
+    """A named pipe or a symlink where a page should be is never opened (a pipe blocked every
+    request that needed the page, and shutdown); an oversized file is not read whole."""
+    disk = DiskTier(str(tmp_path), "fp", 1 << 30, SHAPE, torch.float32)
+    for i in range(3):
+        disk.put(f"p{i}", page(i))
+    disk.flush()
+    fifo = os.path.join(disk.dir, "p0.kv")
+    os.remove(fifo)
+    os.mkfifo(fifo)
+    big = os.path.join(disk.dir, "p1.kv")
+    with open(big, "ab") as f:
+        f.write(b"\0" * (1 << 20))
+    start = time.monotonic()
+    assert disk.get("p0") is None and disk.get("p1") is None
+    assert time.monotonic() - start < 5 and disk.rejected == 2
+    os.symlink("/dev/zero", os.path.join(disk.dir, "p5.kv"))
+    os.mkfifo(os.path.join(disk.dir, "p6.kv"))
+    again = DiskTier(str(tmp_path), "fp", 1 << 30, SHAPE, torch.float32)
+    assert "p5" not in again and "p6" not in again and torch.equal(again.get("p2"), page(2))
+
+
+def test_a_key_file_others_can_read_is_refused(tmp_path):
+    DiskTier(str(tmp_path), "fp", 1 << 30, SHAPE, torch.float32)
+    os.chmod(tmp_path / ".key", 0o644)
+    with pytest.raises(ConfigError, match="mode 0600"):
+        DiskTier(str(tmp_path), "fp", 1 << 30, SHAPE, torch.float32)
 
 
 def test_disk_tier_is_bounded_oldest_first(tmp_path):
