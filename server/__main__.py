@@ -108,6 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--incremental-streaming-output", action="store_true", help="native /generate stream "
       "chunks carry only the new text, output_ids and output logprobs (SGLang's flag); "
       "default: every chunk is the whole response so far")
+    a("--stream-stall-timeout", type=float, default=30.0, help="seconds a request's output may "
+      "wait unread (its client stopped reading) before the request is aborted")
     a("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests may drain "
       "after SIGTERM")
     a("--parent-pid", type=int, default=None, help="drain and exit once the process with this "
@@ -159,7 +161,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, HTTPConfi
                       shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
                       parent_pid=args.parent_pid, reasoning_parser=args.reasoning_parser,
                       responses_store_size=args.responses_store_size,
-                      incremental_streaming_output=args.incremental_streaming_output)
+                      incremental_streaming_output=args.incremental_streaming_output,
+                      stream_stall_timeout=args.stream_stall_timeout)
     return engine, http
 
 

@@ -442,6 +442,8 @@ class HTTPConfig:
             none).
         incremental_streaming_output: native ``/generate`` stream chunks carry only what is
             new (SGLang's flag of the same name); default: each chunk is cumulative.
+        stream_stall_timeout: a request whose outputs wait this long unread (its client
+            stopped reading) is aborted, its KV freed, and the client gets an error event.
     """
 
     host: str = "127.0.0.1"
@@ -456,12 +458,15 @@ class HTTPConfig:
     reasoning_parser: str = "auto"
     responses_store_size: int = 1024
     incremental_streaming_output: bool = False
+    stream_stall_timeout: float = 30.0
 
     def __post_init__(self) -> None:
         if self.responses_store_size < 0:
             raise ConfigError("responses_store_size must be >= 0")
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
+        if self.stream_stall_timeout <= 0:
+            raise ConfigError("stream_stall_timeout must be > 0")
         if self.max_queued_requests < 1:
             raise ConfigError("max_queued_requests must be >= 1")
         if self.log_level not in ("debug", "info", "warning", "error"):

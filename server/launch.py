@@ -116,7 +116,7 @@ async def serve(engine_config: EngineConfig, http: HTTPConfig) -> int:
             _wait_ready(recv, proc, http.startup_timeout))
         manager = TokenizerManager(tokenizer, ready, send, recv, http.max_queued_requests,
                                    ReasoningParser.for_tokenizer(http.reasoning_parser, tokenizer),
-                                   model_vision_spec(model_path))
+                                   model_vision_spec(model_path), http.stream_stall_timeout)
         app = create_app(manager, model_name=engine_config.model.served_model_name
                          or ready.model_name, model_path=model_path, api_key=http.api_key,
                          max_body_bytes=http.max_body_bytes,

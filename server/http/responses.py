@@ -142,8 +142,14 @@ async def collect(request: Request, streams: Sequence[AsyncIterator[P.ReqOutput]
 async def merge(streams: Sequence[AsyncIterator[P.ReqOutput]]
                 ) -> AsyncIterator[tuple[int, P.ReqOutput]]:
     """Interleave several streams as (stream index, output); cancelling the consumer cancels
-    (and so aborts) every stream. An ApiError from any stream is re-raised."""
-    queue: asyncio.Queue = asyncio.Queue()
+    (and so aborts) every stream. An ApiError from any stream is re-raised.
+
+    The hand-over queue holds one output per stream: a consumer blocked on a client that
+    stops reading stops pulling the streams, so their outputs wait in the tokenizer manager,
+    which merges them into one chunk when the client reads again (or aborts the request once
+    it has waited ``--stream-stall-timeout``). An unbounded queue here kept pulling: 104 MB of
+    top-20 logprob chunks piled up for a client that read nothing, each rendered on its own."""
+    queue: asyncio.Queue = asyncio.Queue(maxsize=len(streams))
     done = object()
 
     async def pump(i, stream):

@@ -21,12 +21,12 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Sequence
 
-import msgspec
 import zmq
 import zmq.asyncio
 
 from server import protocol as P
 from server.detokenizer import OutputText, StopRegexTimeout
+from server.http.outputs import coalesce, params_dict, with_text
 from server.multimodal import (
     ImageError,
     VisionSpec,
@@ -88,6 +88,8 @@ class InFlight:
     max_tokens_given: bool
     started: float
     completion_tokens: int = 0
+    unread_since: float | None = None  # time.monotonic() of the oldest output not yet taken
+    stalled: bool = False
 
     def as_dict(self, now: float) -> dict[str, Any]:
         return {"rid": self.rid, "prompt_tokens": self.prompt_tokens,
@@ -105,11 +107,14 @@ class TokenizerManager:
         reasoning: the model's think markers (:mod:`server.reasoning`), or None.
         vision: a multimodal model's image token and positions per image
             (:mod:`server.multimodal`), or None for text-only models.
+        stream_stall_s: seconds a request's outputs may wait unread (a client that stopped
+            reading) before it is aborted with a 408 error event.
     """
 
     def __init__(self, tokenizer: Any, info: P.Ready, send: zmq.asyncio.Socket,
                  recv: zmq.asyncio.Socket, max_queued_requests: int = 1024,
-                 reasoning: ReasoningParser | None = None, vision: VisionSpec | None = None):
+                 reasoning: ReasoningParser | None = None, vision: VisionSpec | None = None,
+                 stream_stall_s: float = 30.0):
         self.tokenizer = tokenizer
         self.reasoning = reasoning
         if vision is not None:  # the token's text as this tokenizer spells it
@@ -120,6 +125,7 @@ class TokenizerManager:
         self.send_sock = send
         self.recv_sock = recv
         self.max_queued_requests = max_queued_requests
+        self.stream_stall_s = stream_stall_s
         self.queues: dict[str, asyncio.Queue] = {}
         self.in_flight: dict[str, InFlight] = {}
         # requests that gave no max_tokens (bounded only by the context) and generated
@@ -160,10 +166,12 @@ class TokenizerManager:
                 log.warning("dropped a bad frame from the scheduler: %s", exc)
                 continue
             if isinstance(msg, P.BatchOutput):
+                now = time.monotonic()
                 for out in msg.outputs:
                     q = self.queues.get(out.rid)
                     if q is not None:
                         q.put_nowait(out)
+                        await self._check_stall(out.rid, q, now)
             elif isinstance(msg, P.ReqError):
                 q = self.queues.get(msg.rid)
                 if q is not None:
@@ -172,6 +180,22 @@ class TokenizerManager:
                 fut = self._replies.pop(type(msg), None)
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
+
+    async def _check_stall(self, rid: str, q: asyncio.Queue, now: float) -> None:
+        """Bound what a client that stops reading costs: once its outputs have waited
+        ``stream_stall_s`` unread, abort the request in the scheduler and queue a 408 error (the
+        handler sends it after the backlog, as one chunk, if the client reads again)."""
+        entry = self.in_flight.get(rid)
+        if entry is None or entry.stalled:
+            return
+        if entry.unread_since is None or q.qsize() == 1:
+            entry.unread_since = now
+        elif now - entry.unread_since > self.stream_stall_s:
+            entry.stalled = True
+            q.put_nowait(P.ReqError(rid, f"the client read no output for {self.stream_stall_s:g} s; "
+                                    "the request was aborted", status=408))
+            await self.send_sock.send(P.encode(P.AbortReq(rid)))
+            self._observe("abort", 0.0)
 
     # ------------------------------------------------------------------ tokenization
     def encode(self, text: str, param: str = "prompt") -> list[int]:
@@ -308,7 +332,7 @@ class TokenizerManager:
         start = began = time.perf_counter()
         try:
             await self.send_sock.send(P.encode(P.GenerateReq(
-                rid=rid, input_ids=inp.input_ids, sampling=_params_dict(inp.params),
+                rid=rid, input_ids=inp.input_ids, sampling=params_dict(inp.params),
                 return_logprob=inp.return_logprob, logprob_start_len=inp.logprob_start_len,
                 top_logprobs_num=inp.top_logprobs_num, namespace=inp.namespace,
                 reasoning=self._gate(inp),
@@ -323,6 +347,7 @@ class TokenizerManager:
                     pending.append(await q.get())
                 while not q.empty():
                     pending.append(q.get_nowait())
+                entry.unread_since = None
                 item = coalesce(pending)
                 if isinstance(item, P.ReqError):
                     finished = True
@@ -330,7 +355,7 @@ class TokenizerManager:
                                    type="invalid_request_error" if item.status < 500
                                    else "server_error")
                 try:
-                    item, stop = _with_text(item, text)
+                    item, stop = with_text(item, text)
                 except StopRegexTimeout as exc:  # the finally block aborts it in the scheduler
                     raise ApiError(400, str(exc), param="stop_regex") from exc
                 entry.completion_tokens = item.completion_tokens
@@ -380,51 +405,3 @@ class TokenizerManager:
     async def server_info(self) -> P.ServerInfoReply:
         """Scheduler metrics and invariant-violation count. Raises ApiError(503)."""
         return await self._ask(P.ServerInfoReq(), P.ServerInfoReply)
-
-
-_MERGED_LISTS = ("new_token_ids", "output_token_logprobs", "output_top_logprobs",
-                 "input_token_logprobs", "input_top_logprobs")
-
-
-def coalesce(pending: collections.deque) -> Any:
-    """Take the next message from ``pending``, merging a run of outputs into one: when the
-    handler falls behind the scheduler (a slow client, a busy event loop), several steps go out
-    as one chunk. Counters are cumulative (the last wins), token and logprob lists are
-    concatenated (text is filled in afterwards, from the merged ids); an error is never merged
-    (it is taken by the next call)."""
-    item = pending.popleft()
-    if not isinstance(item, P.ReqOutput) or item.finish_reason is not None:
-        return item
-    merged = None
-    while pending and isinstance(pending[0], P.ReqOutput):
-        nxt = pending.popleft()
-        if merged is None:
-            merged = {k: list(getattr(item, k)) for k in _MERGED_LISTS}
-        for k in _MERGED_LISTS:
-            merged[k].extend(getattr(nxt, k))
-        item = msgspec.structs.replace(nxt, **merged)
-        if item.finish_reason is not None:
-            break
-    return item
-
-
-def _with_text(item: P.ReqOutput, text: OutputText) -> tuple[P.ReqOutput, str | None]:
-    """``item`` with its text filled in by ``text`` and, when a stop string matched in it, cut
-    at the token that completed the match (ids, logprobs, counts, finish reason). Returns the
-    matched stop string when the scheduler does not know yet that the request is over."""
-    kept = text.feed(item.new_token_ids, item.finish_reason)
-    done = text.finish_reason
-    stop = done["matched"] if done is not None and item.finish_reason is None else None
-    return msgspec.structs.replace(
-        item, new_token_ids=item.new_token_ids[:kept],
-        text=text.text if done is not None else text.stream_text, finish_reason=done,
-        completion_tokens=text.num_tokens,
-        output_token_logprobs=item.output_token_logprobs[:kept],
-        output_top_logprobs=item.output_top_logprobs[:kept]), stop
-
-
-def _params_dict(params: SamplingParams) -> dict[str, Any]:
-    d = dataclasses.asdict(params)
-    d["logit_bias"] = {str(k): v for k, v in params.logit_bias}
-    d["stop"], d["stop_token_ids"] = list(params.stop), list(params.stop_token_ids)
-    return d

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import threading
 import time
 
@@ -205,3 +206,45 @@ def test_the_http_process_holds_no_torch(tiny_server):
         scheduler_maps = f.read()
     assert "libtorch" in scheduler_maps
     assert "libtorch" not in http_maps
+
+
+def test_a_stream_whose_client_stops_reading_is_aborted(make_tiny_model):
+    """Top-20 logprobs streamed to a client that stops reading: the server stops pulling the
+    request's outputs (backpressure), keeps answering, and aborts it in the scheduler once its
+    output has waited --stream-stall-timeout unread (KV freed); a client that reads again gets
+    what was sent, the backlog as one chunk, then a 408 error event."""
+    path, _ = make_tiny_model("llama")
+    s = ServerProcess("--model", path, "--dtype", "float32", "--max-total-tokens", "4096",
+                      "--context-length", "512", "--stream-stall-timeout", "0.5")
+    try:
+        body = {"input_ids": [5, 6, 7], "stream": True, "return_logprob": True,
+                "top_logprobs_num": 20, "return_text_in_logprobs": True,
+                "sampling_params": {"max_new_tokens": 500, "temperature": 0, "ignore_eos": True}}
+        small_buffer = httpx.HTTPTransport(  # the server's writes block soon after we stop
+            socket_options=[(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)])
+        with httpx.Client(base_url=s.url, timeout=60, transport=small_buffer) as c:
+            with c.stream("POST", "/generate", json=body) as resp:
+                lines = resp.iter_lines()
+                assert next(lines).startswith("data: {")
+                health, deadline = [], time.monotonic() + 30
+                while True:  # read nothing until the scheduler has let it go
+                    metrics = s.server_info()["metrics"]
+                    if metrics["running_requests"] == 0:
+                        break
+                    assert time.monotonic() < deadline, "the unread stream was never aborted"
+                    t0 = time.monotonic()
+                    assert httpx.get(s.url + "/health", timeout=5).status_code == 200
+                    health.append(time.monotonic() - t0)
+                    time.sleep(0.1)
+                assert max(health, default=0) < 1.0, health
+                assert metrics["aborts"] == 1 and metrics["generated_tokens"] < 500, metrics
+                assert metrics["kv_usage"] == 0
+                events = [ln for ln in lines if ln.startswith("data: ")]
+        assert events[-1] == "data: [DONE]"
+        error = json.loads(events[-2][6:])["error"]
+        assert error["code"] == "408" and "read no output" in error["message"], error
+        chunks = [json.loads(e[6:]) for e in events[:-2]]
+        assert chunks and all(c["meta_info"]["finish_reason"] is None for c in chunks)
+        assert len(chunks[-1]["output_ids"]) < 500  # cut, not run to max_new_tokens
+    finally:
+        s.stop()

@@ -35,7 +35,7 @@ def test_garbage_and_foreign_frames_are_rejected(frame):
 def test_stream_outputs_coalesce_until_an_error_or_the_finish():
     import collections
 
-    from server.http.tokenizer_manager import coalesce
+    from server.http.outputs import coalesce
 
     def out(ids, text, finish=None, lps=()):
         return P.ReqOutput("r", ids, text, finish, completion_tokens=len(text),
