@@ -9,17 +9,24 @@ SGLang paper §4), and applies masks on CPU tensors. JSON is generated with fixe
 outlines-core was the alternative; it lacks rollback and a jump-forward query.
 
 User JSON schemas are first checked with ``jsonschema`` (draft 2020-12) so errors are clear.
-Compiled grammars are cached per (kind, spec): a batch with one schema compiles once. Budgets:
-specs over ``MAX_SPEC_CHARS`` and recursive schemas are refused; a compile taking longer than
-``COMPILE_TIMEOUT_S`` is refused (the worker thread is left to finish in the background, and its
-result is cached). Compiles run on worker threads (:meth:`GrammarCompiler.compile_async`): the
-scheduler parks a request while its grammar compiles and keeps serving the others.
+Compiled grammars are cached per (kind, spec), least recently used out past
+``CACHE_BYTES``: a batch with one schema compiles once. Budgets: specs over ``MAX_SPEC_CHARS``
+and recursive schemas are refused; a compile not done ``COMPILE_TIMEOUT_S`` after it was asked
+for is stopped and refused. Compiles run in child processes
+(:mod:`server.constrained.compile_worker`) scheduled as a two-level feedback queue
+(:meth:`GrammarCompiler.compile_async`): every compile starts in the *fast lane* with
+``FAST_LANE_S``; one that takes longer is stopped there and restarted in the *slow lane* with
+what is left of its budget. Most grammars compile in milliseconds, so the fast lane is never
+held long: one client's slow grammars queue behind each other, not in front of everyone's
+(two ~20 s grammars took both compile threads and made trivial regexes sent after them fail).
+The scheduler parks a request while its grammar compiles and keeps serving the others.
 
 Errors: :class:`GrammarError` (a ValueError with ``param``), answered as HTTP 400.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import json
 import re
@@ -28,12 +35,17 @@ import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from server.constrained.compile_worker import CompileProcess
+from server.constrained.matcher import Matcher
+
 MAX_SPEC_CHARS = 32 * 1024
 MAX_SCHEMA_TEXT_CHARS = 4 * MAX_SPEC_CHARS  # a schema given as text, before its whitespace goes
 MAX_EBNF_CHARS = 512 * 1024  # grounding grammars of long passages (~25 chars per word)
 MAX_CHOICES = 256
 MAX_SCHEMA_DEPTH = 64  # dict/list levels
 COMPILE_TIMEOUT_S = 10.0
+FAST_LANE_S = 1.0  # a compile longer than this moves to the slow lane
+CACHE_BYTES = 256 << 20  # compiled grammars kept (xgrammar's own size estimate)
 
 
 class GrammarError(ValueError):
@@ -197,18 +209,11 @@ def _library_message(exc: Exception) -> str:
     return _LIBRARY_PREFIX.sub("", str(exc)).strip() or type(exc).__name__
 
 
-def _choices_ebnf(choices: list[str]) -> str:
-    def lit(s: str) -> str:
-        return '"' + s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") \
-            .replace("\r", "\\r").replace("\t", "\\t") + '"'
-
-    return "root ::= " + " | ".join(lit(c) for c in choices)
-
-
 class GrammarCompiler:
     """Compiles and caches grammars for one tokenizer and model vocabulary size.
 
     Args: tokenizer (transformers), vocab_size (the model's, possibly padded, vocabulary).
+    Call :meth:`close` to stop the compile processes (also done when it is collected).
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int):
@@ -217,51 +222,98 @@ class GrammarCompiler:
         self._xgr = xgr
         self.vocab_size = vocab_size
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
-        self._compiler = xgr.GrammarCompiler(self.info, max_threads=1)
-        self._cache: dict[GrammarSpec, Any] = {}
+        info_json = self.info.serialize_json()
+        self._cache: collections.OrderedDict[GrammarSpec, Any] = collections.OrderedDict()
+        self.cache_bytes = 0
         self._inflight: dict[GrammarSpec, concurrent.futures.Future] = {}
         self._lock = threading.Lock()
-        # Two workers: one over-budget compile (left to finish) does not block the next.
-        self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="grammar")
+        # one thread and one compile process per lane; each thread drives only its process
+        self._lanes = {name: (concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix=f"grammar-{name}"), CompileProcess(info_json, vocab_size))
+            for name in ("fast", "slow")}
         self.compile_seconds = 0.0
         self._json_safe = None
 
     def compile_async(self, spec: GrammarSpec) -> concurrent.futures.Future:
         """A future of the compiled grammar for ``spec``, never blocking: done at once on a
-        cache hit; requests for a spec already compiling share its future. A compile that
-        finishes (even after its requester gave up waiting) lands in the cache. xgrammar
-        releases the GIL while it compiles, so the caller's thread keeps running."""
+        cache hit; requests for a spec already compiling share its future. It fails with
+        GrammarError when the spec does not compile or is not compiled ``COMPILE_TIMEOUT_S``
+        after this call (the compile is then stopped)."""
         with self._lock:
             hit = self._cache.get(spec)
             if hit is not None:
+                self._cache.move_to_end(spec)
                 done: concurrent.futures.Future = concurrent.futures.Future()
                 done.set_result(hit)
                 return done
             future = self._inflight.get(spec)
             if future is not None:
                 return future
-            future = self._pool.submit(self._timed_compile, spec)
-            self._inflight[spec] = future
+            future = self._inflight[spec] = concurrent.futures.Future()
         future.add_done_callback(lambda f: self._finished(spec, f))
+        deadline = time.monotonic() + COMPILE_TIMEOUT_S
+        self._lanes["fast"][0].submit(self._run, "fast", spec, deadline, future)
         return future
 
-    def _timed_compile(self, spec: GrammarSpec):
+    def _run(self, lane: str, spec: GrammarSpec, deadline: float,
+             future: concurrent.futures.Future) -> None:
+        """Compile ``spec`` on ``lane``'s process within its share of the budget; a fast-lane
+        compile over FAST_LANE_S moves to the slow lane."""
+        left = deadline - time.monotonic()
+        budget = min(left, FAST_LANE_S) if lane == "fast" else left
+        if budget <= 0:  # waited its whole budget in the queue
+            return future.set_exception(_over_budget(spec))
         start = time.perf_counter()
         try:
-            return self._compile(spec)
+            status, payload = self._lanes[lane][1].compile(spec.kind, spec.spec, budget)
+        except TimeoutError:
+            if lane == "fast" and budget < left:
+                self._lanes["slow"][0].submit(self._run, "slow", spec, deadline, future)
+            else:
+                future.set_exception(_over_budget(spec))
+            return
+        except Exception as exc:  # noqa: BLE001 - the pipe broke: the requester gets the reason
+            return future.set_exception(exc)
         finally:
             self.compile_seconds += time.perf_counter() - start
+        if status == "ok":
+            try:
+                future.set_result(self._xgr.CompiledGrammar.deserialize_json(payload,
+                                                                             self.info))
+            except Exception as exc:  # noqa: BLE001
+                future.set_exception(exc)
+        elif status == "empty":
+            future.set_exception(GrammarError(spec.kind, payload))
+        else:
+            future.set_exception(RuntimeError(payload))
 
     def _finished(self, spec: GrammarSpec, future: concurrent.futures.Future) -> None:
         with self._lock:
             self._inflight.pop(spec, None)
-            if future.exception() is None:
-                self._cache[spec] = future.result()
+            if future.exception() is not None:
+                return
+            compiled = future.result()
+            self._cache[spec] = compiled
+            self.cache_bytes += compiled.memory_size_bytes
+            while self.cache_bytes > CACHE_BYTES and len(self._cache) > 1:
+                _, old = self._cache.popitem(last=False)
+                self.cache_bytes -= old.memory_size_bytes
+
+    def close(self) -> None:
+        """Stop the compile threads and processes (idempotent)."""
+        for pool, proc in self._lanes.values():
+            pool.shutdown(wait=True, cancel_futures=True)
+            proc.close()
+
+    def __del__(self) -> None:
+        for pool, proc in getattr(self, "_lanes", {}).values():
+            pool.shutdown(wait=False, cancel_futures=True)
+            proc.close()
 
     def compile(self, spec: GrammarSpec):
         """The compiled grammar for ``spec`` (cached), waiting up to ``COMPILE_TIMEOUT_S``.
         Raises GrammarError."""
-        return self.result(self.compile_async(spec), spec, COMPILE_TIMEOUT_S)
+        return self.result(self.compile_async(spec), spec, COMPILE_TIMEOUT_S + 1)
 
     @staticmethod
     def result(future: concurrent.futures.Future, spec: GrammarSpec, timeout: float):
@@ -270,32 +322,11 @@ class GrammarCompiler:
         try:
             return future.result(timeout=timeout)
         except concurrent.futures.TimeoutError as exc:
-            raise GrammarError(spec.kind, f"compiling took over {COMPILE_TIMEOUT_S:.0f} s") from exc
+            raise _over_budget(spec) from exc
         except GrammarError:
             raise
         except Exception as exc:  # the library's own message names the problem
             raise GrammarError(spec.kind, f"cannot compile: {_library_message(exc)}") from exc
-
-    def _compile(self, spec: GrammarSpec):
-        c = self._compiler
-        if spec.kind == "regex":
-            compiled = c.compile_regex(spec.spec)
-        elif spec.kind == "json_schema":
-            # Fixed separators (", " and ": "): no whitespace loops, and keys plus separators
-            # become forced strings that jump-forward computes in one pass.
-            compiled = c.compile_json_schema(spec.spec, any_whitespace=False)
-        elif spec.kind == "ebnf":
-            compiled = c.compile_grammar(spec.spec)
-        else:
-            compiled = c.compile_grammar(_choices_ebnf(json.loads(spec.spec)))
-        # A grammar that matches no string (regex [^\s\S], an EBNF with no finite derivation)
-        # allows no first token, not even EOS: refused here, it would end its request with
-        # "the grammar rejected token ..." after a wasted prefill.
-        bitmask = self._xgr.allocate_token_bitmask(1, self.vocab_size)
-        self._xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask, 0)
-        if not bitmask.any():
-            raise GrammarError(spec.kind, "matches no string: no token can start it")
-        return compiled
 
     def json_safe_mask(self):
         """[vocab_size] bool: tokens whose bytes hold no control character (< 0x20).
@@ -313,7 +344,7 @@ class GrammarCompiler:
             self._json_safe = torch.tensor(safe, dtype=torch.bool)
         return self._json_safe
 
-    def matcher(self, spec: GrammarSpec, stop_token_ids: Sequence[int]) -> "Matcher":
+    def matcher(self, spec: GrammarSpec, stop_token_ids: Sequence[int]) -> Matcher:
         """A fresh matcher for one request; EOS (``stop_token_ids``) is allowed exactly when
         the automaton accepts."""
         compiled = self.compile(spec)
@@ -322,58 +353,5 @@ class GrammarCompiler:
         return Matcher(m, self._xgr, self.vocab_size, extra)
 
 
-def pack_bitmask(mask):
-    """[V] bool -> [ceil(V / 32)] int32 in xgrammar's bitmask layout."""
-    import torch
-
-    words = -(-mask.numel() // 32)
-    padded = torch.zeros(words * 32, dtype=torch.int64)
-    padded[:mask.numel()] = mask.to(torch.int64)
-    packed = (padded.view(words, 32) << torch.arange(32, dtype=torch.int64)).sum(-1)
-    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
-
-
-class Matcher:
-    """One request's cursor in its grammar."""
-
-    def __init__(self, matcher: Any, xgr: Any, vocab_size: int, extra_mask: Any = None):
-
-        self._m = matcher
-        self.vocab_size = vocab_size
-        # ANDed with the grammar's bitmask (see json_safe_mask), packed the same way
-        self._extra_bits = None if extra_mask is None else pack_bitmask(extra_mask)
-        self._xgr = xgr
-
-    def fill_bitmask(self, bitmask, row: int) -> None:
-        """Write the allowed next tokens into row ``row`` of ``bitmask`` [B, ceil(V / 32)]
-        int32 (xgrammar's layout: bit j of word w = token 32 * w + j)."""
-        self._m.fill_next_token_bitmask(bitmask, row)
-        if self._extra_bits is not None:
-            bitmask[row] &= self._extra_bits
-
-    def allowed_mask(self):
-        """[vocab_size] bool tensor of the tokens the grammar allows next."""
-        import torch
-
-        bitmask = self._xgr.allocate_token_bitmask(1, self.vocab_size)
-        self.fill_bitmask(bitmask, 0)
-        bits = (bitmask[0].unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
-        return bits.view(-1)[:self.vocab_size].bool()
-
-    def accept(self, token_id: int) -> bool:
-        """Advance over ``token_id``; False (state unchanged) if the grammar rejects it."""
-        return bool(self._m.accept_token(token_id))
-
-    @property
-    def terminated(self) -> bool:
-        """True once a stop token was accepted in an accepting state: the output is done."""
-        return bool(self._m.is_terminated())
-
-    def rollback(self, num_tokens: int) -> None:
-        """Undo the last ``num_tokens`` accepted tokens."""
-        if num_tokens > 0:
-            self._m.rollback(num_tokens)
-
-    def jump_forward_string(self) -> str:
-        """The string the grammar forces from the current state ("" when there is a choice)."""
-        return self._m.find_jump_forward_string()
+def _over_budget(spec: GrammarSpec) -> GrammarError:
+    return GrammarError(spec.kind, f"compiling took over {COMPILE_TIMEOUT_S:.0f} s")

@@ -1,6 +1,6 @@
 """A grammar held back while a reasoning model thinks (see :mod:`server.reasoning`).
 
-:class:`ReasoningGatedMatcher` has the interface of :class:`server.constrained.grammar.Matcher`
+:class:`ReasoningGatedMatcher` has the interface of :class:`server.constrained.matcher.Matcher`
 and three states:
 
 * maybe: the first token may open a think block: the allowed set is the grammar's plus the

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import jsonschema
 import pytest
@@ -137,3 +138,47 @@ def test_json_strings_never_hold_raw_control_characters(padded_engine):
         assert 195 not in o["output_ids"] and 199 not in o["output_ids"]
         if o["meta_info"]["finish_reason"]["type"] == "stop":
             jsonschema.validate(json.loads(o["text"]), schema)  # strict: no raw control chars
+
+
+def test_slow_compiles_are_stopped_and_do_not_hold_up_quick_ones(padded_engine, monkeypatch):
+    """Two grammars that take seconds to compile (one client's) and a trivial regex sent
+    after them: the trivial one compiles at once (slow ones leave the fast lane after
+    FAST_LANE_S), the slow ones are stopped at the budget and refused, and the compiler
+    still works afterwards (its processes restarted)."""
+    from server.constrained import grammar as g
+
+    monkeypatch.setattr(g, "COMPILE_TIMEOUT_S", 2.5)
+    monkeypatch.setattr(g, "FAST_LANE_S", 0.3)
+    compiler = g.GrammarCompiler(padded_engine.tokenizer, PADDED_VOCAB)
+    try:
+        compiler.compile(make_spec(regex="[0-9]"))  # the processes are up
+        slow = [compiler.compile_async(make_spec(regex=r)) for r in
+                ('[^"]{1,60000}', "[a-z0-9 ]{1,50000}")]
+        start = time.monotonic()
+        quick = compiler.compile_async(make_spec(regex="(yes|no)"))
+        quick.result(timeout=5)
+        assert time.monotonic() - start < 2.0  # behind the first slow one for FAST_LANE_S
+        for f, spec in zip(slow, ('[^"]{1,60000}', "[a-z0-9 ]{1,50000}")):
+            with pytest.raises(GrammarError, match="took over"):
+                g.GrammarCompiler.result(f, make_spec(regex=spec), 10)
+        assert time.monotonic() - start < 5.0  # stopped at the budget, not left running
+        assert compiler._lanes["slow"][1].restarts >= 1
+        assert compiler.compile(make_spec(regex="[a-c]{2}")) is not None
+    finally:
+        compiler.close()
+
+
+def test_the_compiled_grammar_cache_is_bounded(padded_engine, monkeypatch):
+    from server.constrained import grammar as g
+
+    compiler = g.GrammarCompiler(padded_engine.tokenizer, PADDED_VOCAB)
+    try:
+        first = compiler.compile(make_spec(regex="[0-9]{3}"))
+        monkeypatch.setattr(g, "CACHE_BYTES", 2 * first.memory_size_bytes)
+        for i in range(6):
+            compiler.compile(make_spec(regex=f"[0-9]{{{i + 4}}}"))
+        assert len(compiler._cache) <= 3 and compiler.cache_bytes <= g.CACHE_BYTES + \
+            max(c.memory_size_bytes for c in compiler._cache.values())
+        assert make_spec(regex="[0-9]{3}") not in compiler._cache  # least recently used out
+    finally:
+        compiler.close()
