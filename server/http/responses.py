@@ -55,11 +55,13 @@ SSE_DONE = "data: [DONE]\n\n"
 
 
 def check_finish(out: P.ReqOutput) -> None:
-    """A request that ended with an internal error raises ApiError(500): a 500 response, or
-    an SSE error event once a stream has started."""
+    """A request that ended with an error raises ApiError (the status its finish reason
+    names, e.g. 400 for a constraint that dead-ends, else 500): an error response, or an SSE
+    error event once a stream has started."""
     if out.finish_reason and out.finish_reason.get("type") == "error":
-        raise ApiError(500, out.finish_reason.get("message", "internal error"),
-                       type="server_error")
+        status = out.finish_reason.get("status") or 500
+        raise ApiError(status, out.finish_reason.get("message", "internal error"),
+                       type="invalid_request_error" if status < 500 else "server_error")
 
 
 async def _wait_all(request: Request, tasks: Sequence[asyncio.Future]) -> None:

@@ -90,13 +90,17 @@ def check_finished(req: Req, tok: int, context_len: int,
                    ) -> FinishReason | None:
     """Stop conditions on token ids after appending ``tok`` (stop strings are matched on text
     by the front ends, which then abort the request); advances the grammar. A grammar that
-    rejects the token ends the request with an error. With ``jump_forward_tokenizer``, sets
+    rejects the token (every token was masked: the grammar dead-ends here, or min_tokens /
+    logit_bias banned all it allows) ends the request with a 400 error. With ``jump_forward_tokenizer``, sets
     ``req.draft`` to the tokens the grammar forces next; where it forces none and
     ``ngram_tokens`` is set, to a prompt-lookup draft (cut where the grammar would reject it)."""
     p = req.params
     if req.grammar is not None:
         if not req.grammar.accept(tok):
-            return FinishReason("error", message=f"the grammar rejected token {tok}")
+            return FinishReason("error", status=400, message=(
+                f"the constraint allows no next token after {len(req.output_ids) - 1} output "
+                "tokens: the grammar dead-ends there for this model's vocabulary, or min_tokens, "
+                "logit_bias or stop_token_ids banned every token it allows"))
         if req.grammar.terminated:  # it accepted a stop token: the constrained output is done
             return FinishReason("stop", matched=tok)
     if tok in p.stop_token_ids or (tok in req.eos_ids and not p.ignore_eos):

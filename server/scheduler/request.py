@@ -28,11 +28,13 @@ class ReqStatus(enum.Enum):
 
 @dataclass(frozen=True)
 class FinishReason:
-    """type: "stop" (EOS, stop token or stop string), "length", "abort" or "error"."""
+    """type: "stop" (EOS, stop token or stop string), "length", "abort" or "error";
+    ``status``: for an error the request caused (not the server), the HTTP status (4xx)."""
 
     type: str
     matched: int | str | None = None
     message: str | None = None
+    status: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"type": self.type}
@@ -40,6 +42,8 @@ class FinishReason:
             d["matched"] = self.matched
         if self.message is not None:
             d["message"] = self.message
+        if self.status is not None:
+            d["status"] = self.status
         return d
 
 

@@ -239,6 +239,23 @@ def test_bad_constraints(healthy, extra, param):
         assert time.monotonic() - start < 10  # within the compile budget
 
 
+def test_a_constraint_that_dead_ends_mid_output_is_a_400(healthy):
+    """A grammar with a rule that derives no string (``x ::= x "c"``) lets "a" start and then
+    allows no token: a 400 naming the dead end (it was a 500 "the grammar rejected token"),
+    as a response before the stream starts or an error event after; the server goes on."""
+    body = {"text": "x", "sampling_params": {"max_new_tokens": 8, "temperature": 0,
+                                             "ebnf": 'root ::= "a" x\nx ::= x "c"'}}
+    with healthy.client() as c:
+        check_error(c.post(GEN, json=body), 400, contains="allows no next token")
+        resp = c.post(GEN, json={**body, "stream": True})
+    if resp.status_code != 200:  # the dead end came with the first output, before the headers
+        return check_error(resp, 400, contains="allows no next token")
+    events = [ln for ln in resp.text.splitlines() if ln.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    err = json.loads(events[-2][6:])["error"]
+    assert err["code"] == "invalid_request" and "allows no next token" in err["message"]
+
+
 def test_an_oversized_schema_is_refused_for_its_size_before_it_is_validated(healthy):
     """Validating a schema takes time that grows with its size, on the HTTP event loop (a 7 MB
     one blocked /health for 24 s): the size is checked first, so a ~400 KB schema that is also
