@@ -60,9 +60,14 @@ def compile_grammar(compiler: Any, xgr: Any, kind: str, spec: str, vocab_size: i
 
 def _serve(conn, info_json: str, vocab_size: int) -> None:
     """The child: compile (kind, spec) pairs until the pipe closes; answer ("ok", serialized
-    grammar), ("empty", message) or ("error", the library's message)."""
+    grammar), ("empty", message) or ("error", the library's message). It runs at a lower
+    priority (nice +10): on a machine with few cores a stream of slow compiles must not take
+    CPU time from the decode steps of running requests."""
+    import os
+
     import xgrammar as xgr
 
+    os.nice(10)
     info = xgr.TokenizerInfo.deserialize_json(info_json)
     compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
     while True:

@@ -35,6 +35,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import msgspec
+
 from server.constrained.compile_worker import CompileProcess
 from server.constrained.matcher import Matcher
 
@@ -95,7 +97,11 @@ def make_spec(regex: str | None = None, json_schema: Any = None,
                 raise GrammarError("json_schema", f"over {MAX_SCHEMA_TEXT_CHARS} characters")
         else:
             try:  # keep key order: the schema's property order is the order fields are generated
-                text = json.dumps(json_schema, separators=(",", ":"))
+                if len(msgspec.json.encode(json_schema)) > MAX_SPEC_CHARS:  # a lower bound of
+                    raise GrammarError("json_schema", f"over {MAX_SPEC_CHARS} characters")
+                text = json.dumps(json_schema, separators=(",", ":"))  # this, ~6x as fast
+            except GrammarError:
+                raise
             except (TypeError, ValueError) as exc:  # not JSON data; circular
                 raise GrammarError("json_schema", f"not JSON data: {exc}") from exc
             _check_size("json_schema", text)

@@ -24,11 +24,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
 from server import protocol as P
 from server.http.admission import admit_generate
+from server.http.body import body_of
 from server.http.responses import (
     SSE_DONE,
     check_finish,
@@ -109,7 +110,7 @@ class _Accumulator:
 
 
 @router.post("/generate")
-async def generate(request: Request, body: GenerateRequest):
+async def generate(request: Request, body: GenerateRequest = Depends(body_of(GenerateRequest))):
     manager = manager_of(request)
     inputs, single = await admit_generate(manager, body)
     streams = [manager.generate(inp) for inp in inputs]
@@ -147,6 +148,6 @@ async def flush_cache(request: Request):
 
 
 @router.post("/abort_request")
-async def abort_request(request: Request, body: AbortRequest):
+async def abort_request(request: Request, body: AbortRequest = Depends(body_of(AbortRequest))):
     await manager_of(request).abort(body.rid)
     return {"aborted": body.rid}

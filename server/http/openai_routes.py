@@ -20,11 +20,12 @@ import time
 import uuid
 from typing import Any, Callable, Sequence
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
 from server import protocol as P
 from server.http.admission import admit_chat, admit_completion
+from server.http.body import body_of
 from server.http.responses import (
     SSE_DONE,
     check_finish,
@@ -86,7 +87,7 @@ def _completion_logprobs(manager: TokenizerManager, outs: list[P.ReqOutput], k: 
 
 
 @router.post("/v1/completions")
-async def completions(request: Request, body: CompletionRequest):
+async def completions(request: Request, body: CompletionRequest = Depends(body_of(CompletionRequest))):
     manager = manager_of(request)
     prompts, inputs = await admit_completion(manager, body)
     want_lp = body.logprobs is not None
@@ -180,7 +181,8 @@ def _chat_logprobs(manager: TokenizerManager, outs: list[P.ReqOutput]) -> dict[s
 
 
 @router.post("/v1/chat/completions")
-async def chat_completions(request: Request, body: ChatCompletionRequest):
+async def chat_completions(request: Request,
+                           body: ChatCompletionRequest = Depends(body_of(ChatCompletionRequest))):
     manager = manager_of(request)
     inputs, tools, use_tools = await admit_chat(manager, body)
     state = inputs[0].reasoning_state

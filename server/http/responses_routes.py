@@ -17,11 +17,12 @@ import json
 import time
 from typing import Any, AsyncIterator
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
 from server import protocol as P
 from server.http.admission import admit_chat
+from server.http.body import body_of
 from server.http.responses import (
     check_finish,
     collect,
@@ -94,7 +95,7 @@ class _Reply:
 
 
 @router.post("/v1/responses")
-async def create_response(request: Request, body: ResponsesRequest):
+async def create_response(request: Request, body: ResponsesRequest = Depends(body_of(ResponsesRequest))):
     manager = manager_of(request)
     store = request.app.state.response_store
     history: list[dict[str, Any]] = []
