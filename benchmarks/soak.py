@@ -40,21 +40,29 @@ HUGE_SCHEMA_BODY = json.dumps({"messages": MSG, "max_tokens": 4, "response_forma
 MEBIBYTE = b"x" * (1 << 20)
 
 
-def tree_rss_mb(pid: int) -> float:
-    """RSS of ``pid`` and all its descendants, MB (shared pages counted once per process)."""
-    out = subprocess.run(["ps", "-eo", "pid=,ppid=,rss="], capture_output=True, text=True).stdout
-    rows = [tuple(map(int, line.split())) for line in out.splitlines() if line.strip()]
+def tree_rss_mb(pid: int) -> dict[str, float]:
+    """RSS in MB of ``pid`` and its descendants by role ("http", "scheduler", "grammar
+    compile", ...; shared pages counted once per process), and their "total"."""
+    out = subprocess.run(["ps", "-eo", "pid=,ppid=,rss=,args="], capture_output=True,
+                         text=True).stdout
     children: dict[int, list[int]] = {}
-    rss = {}
-    for p, pp, r in rows:
-        children.setdefault(pp, []).append(p)
-        rss[p] = r
-    total, stack = 0, [pid]
+    rows = {}
+    for line in out.splitlines():
+        p, pp, r, args = line.split(None, 3)
+        children.setdefault(int(pp), []).append(int(p))
+        rows[int(p)] = (int(r) / 1024, args)
+    roles: Counter = Counter()
+    stack = [pid]
     while stack:
         p = stack.pop()
-        total += rss.get(p, 0)
+        if p in rows:
+            mb, args = rows[p]
+            role = ("http" if p == pid else "scheduler" if "spawn_main" in args
+                    else "grammar compile" if "forkserver" in args else "other")
+            roles[role] += mb
         stack.extend(children.get(p, []))
-    return total / 1024
+    roles["total"] = sum(roles.values())
+    return dict(roles)
 
 
 class Soak:
@@ -305,11 +313,13 @@ def main() -> int:
     gaps = sorted(soak.gaps) or [0.0]
     print(f"well-behaved streams: {len(soak.gaps)} gaps between events, p99 "
           f"{gaps[int(0.99 * (len(gaps) - 1))] * 1e3:.0f} ms, max {gap * 1e3:.0f} ms")
-    print(f"RSS (server + children): {rss_start:.0f} MB after warm-up, {rss_end:.0f} MB after "
-          f"({(rss_end / rss_start - 1) * 100:+.1f} %); kv_usage idle {kv}, invariants "
-          f"{'ok' if info['invariants_ok'] else 'VIOLATED'}")
+    print(f"RSS (server + children): {rss_start['total']:.0f} MB after warm-up, "
+          f"{rss_end['total']:.0f} MB after ({(rss_end['total'] / rss_start['total'] - 1) * 100:+.1f}"
+          f" %); by process: " + ", ".join(f"{k} {rss_start.get(k, 0):.0f} -> {v:.0f}"
+                                           for k, v in rss_end.items() if k != "total"))
+    print(f"kv_usage idle {kv}, invariants {'ok' if info['invariants_ok'] else 'VIOLATED'}")
     ok = (five == 0 and p99 < 0.1 and h[-1] < 1.0 and gap <= 1.0
-          and rss_end <= 1.1 * rss_start and kv == 0 and info["invariants_ok"])
+          and rss_end["total"] <= 1.1 * rss_start["total"] and kv == 0 and info["invariants_ok"])
     print("goals met" if ok else "goals MISSED")
     return 0 if ok else 1
 

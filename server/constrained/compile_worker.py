@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import os
 import threading
 from typing import Any
 
 _CONTEXT: Any = None
 _CONTEXT_LOCK = threading.Lock()
+MAX_CHILD_RSS_BYTES = 384 << 20  # a child past this after a compile is replaced (its heap
+# keeps what large grammars took; a fresh fork shares the forkserver's pages again)
 
 
 class NoStringError(ValueError):
@@ -63,8 +66,6 @@ def _serve(conn, info_json: str, vocab_size: int) -> None:
     grammar), ("empty", message) or ("error", the library's message). It runs at a lower
     priority (nice +10): on a machine with few cores a stream of slow compiles must not take
     CPU time from the decode steps of running requests."""
-    import os
-
     import xgrammar as xgr
 
     os.nice(10)
@@ -96,6 +97,15 @@ def _context():
         return _CONTEXT
 
 
+def _rss_bytes(pid: int) -> int:
+    """Resident set size of ``pid`` (0 when unknown)."""
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 class CompileProcess:
     """One child process compiling grammars, one at a time (use from one thread).
 
@@ -121,10 +131,13 @@ class CompileProcess:
             self.restarts += 1
             raise TimeoutError(f"compile over {timeout:.1f} s")
         try:
-            return self._conn.recv()
+            reply = self._conn.recv()
         except EOFError as exc:  # the child died (out of memory, a crash in the library)
             self.close()
             return "error", f"the compiler process exited ({exc or 'no reply'})"
+        if _rss_bytes(self._proc.pid) > MAX_CHILD_RSS_BYTES:
+            self.close()
+        return reply
 
     def _start(self) -> None:
         ctx = _context()

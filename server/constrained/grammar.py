@@ -47,7 +47,7 @@ MAX_CHOICES = 256
 MAX_SCHEMA_DEPTH = 64  # dict/list levels
 COMPILE_TIMEOUT_S = 10.0
 FAST_LANE_S = 1.0  # a compile longer than this moves to the slow lane
-CACHE_BYTES = 256 << 20  # compiled grammars kept (xgrammar's own size estimate)
+CACHE_BYTES = 64 << 20  # compiled grammars kept (xgrammar's own size estimate)
 
 
 class GrammarError(ValueError):
