@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.http import native_routes, openai_routes, ops_routes, responses_routes
 from server.http.auth import APIKeyMiddleware
+from server.http.body import document_bodies
 from server.http.drain import Drain, DrainGate
 from server.http.responses import api_error_response, error_response
 from server.http.responses_items import ResponseStore
@@ -116,10 +117,11 @@ def create_app(manager: TokenizerManager, *, model_name: str, model_path: str | 
         return error_response(exc.status_code, str(exc.detail),
                               "invalid_request_error" if exc.status_code < 500 else "server_error")
 
-    app.include_router(openai_routes.router)
-    app.include_router(responses_routes.router)
-    app.include_router(native_routes.router)
-    app.include_router(ops_routes.router)
+    routers = [openai_routes.router, responses_routes.router, native_routes.router,
+               ops_routes.router]
+    for router in routers:
+        app.include_router(router)
+    document_bodies(app, routers)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     app.add_middleware(APIKeyMiddleware, api_key=api_key)
     app.add_middleware(DrainGate, drain=app.state.drain)  # outermost: refuses before auth

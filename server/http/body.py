@@ -8,17 +8,22 @@ running between the thread's GIL slices.
 
 Errors: 415 for a body that is not JSON by its content-type; invalid JSON or fields raise
 RequestValidationError, which the app answers with a 400 naming the field.
+
+FastAPI does not see such a body, so :func:`document_bodies` puts them back into the app's
+OpenAPI schema (clients and fuzzers read the request schemas there).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Any, Awaitable, Callable, Sequence, TypeVar
 
-from fastapi import Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ValidationError
+from pydantic.json_schema import models_json_schema
 
 from server.http.tokenizer_manager import ApiError
 
@@ -47,4 +52,31 @@ def body_of(model: type[M]) -> Callable[[Request], Awaitable[M]]:
                            f"{ctype.strip()!r}", param=None)
         return await asyncio.to_thread(_parse, model, await request.body())
 
+    parse.body_model = model  # type: ignore[attr-defined]  # read by document_bodies
     return parse
+
+
+def document_bodies(app: FastAPI, routers: Sequence[APIRouter]) -> None:
+    """Make ``app.openapi()`` describe the bodies of the ``routers``' routes that take one
+    through :func:`body_of` (a requestBody referring to the model under components/schemas)."""
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        bodies = [(route, dep.call.body_model) for router in routers for route in router.routes
+                  for dep in getattr(getattr(route, "dependant", None), "dependencies", ())
+                  if hasattr(dep.call, "body_model")]
+        refs, defs = models_json_schema(
+            [(m, "validation") for m in dict.fromkeys(m for _, m in bodies)],
+            ref_template="#/components/schemas/{model}")
+        schema.setdefault("components", {}).setdefault("schemas", {}).update(
+            defs.get("$defs", {}))
+        for route, model in bodies:
+            for method in route.methods:
+                schema["paths"][route.path][method.lower()]["requestBody"] = {
+                    "required": True,
+                    "content": {"application/json": {"schema": refs[(model, "validation")]}}}
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

@@ -461,3 +461,14 @@ def test_health_answers_while_a_huge_prompt_is_tokenized(healthy):
     t.join()
     check_error(result["resp"], 400, "prompt")
     assert len(latencies) > 5 and max(latencies) < 1.0, max(latencies)
+
+
+def test_request_bodies_are_in_the_openapi_schema(healthy):
+    """Bodies are parsed off the event loop (not by FastAPI), and still documented."""
+    with healthy.client() as c:
+        schema = c.get("/openapi.json").json()
+    for path, model in [(CHAT, "ChatCompletionRequest"), (CMPL, "CompletionRequest"),
+                        (GEN, "GenerateRequest"), ("/v1/responses", "ResponsesRequest")]:
+        body = schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]
+        assert body["schema"]["$ref"] == f"#/components/schemas/{model}"
+        assert "properties" in schema["components"]["schemas"][model]
