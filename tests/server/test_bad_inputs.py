@@ -10,6 +10,8 @@ import threading
 import time
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 CHAT = "/v1/chat/completions"
 CMPL = "/v1/completions"
@@ -472,3 +474,29 @@ def test_request_bodies_are_in_the_openapi_schema(healthy):
         body = schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]
         assert body["schema"]["$ref"] == f"#/components/schemas/{model}"
         assert "properties" in schema["components"]["schemas"][model]
+
+
+TEXT = st.text(st.characters(codec=None, categories=None, exclude_characters=""),
+               max_size=12) | st.sampled_from(["\ud800", "a\udc00b", "\x00", "\x1b[31m", ""])
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(field=st.sampled_from(["text", "rid", "cache_salt", "stop", "stop_regex", "regex",
+                              "ebnf", "choices"]), value=TEXT)
+def test_any_string_in_any_field_is_a_200_or_a_4xx(healthy, field, value):
+    """Every string field, with lone surrogates and control characters among the values:
+    never a 5xx, and the connection stays usable (the next request on it is served)."""
+    sp = {"max_new_tokens": 2}
+    body: dict = {"text": "x", "sampling_params": sp}
+    if field in ("text", "rid", "cache_salt"):
+        body[field] = value
+    else:
+        sp[field] = [value] if field in ("stop", "choices") else value
+    raw = json.dumps(body).encode()  # escapes lone surrogates as a client's JSON would
+    with healthy.client() as c:
+        resp = c.post(GEN, content=raw, headers={"content-type": "application/json"})
+        assert resp.status_code in (200, 400), resp.text
+        if resp.status_code == 400:
+            assert resp.json()["error"]["message"]
+        assert c.post(GEN, json={"text": "ok", "sampling_params": {"max_new_tokens": 1}}
+                      ).status_code == 200
