@@ -229,6 +229,7 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
         info_json = self.info.serialize_json()
+        self._token_bytes = self.info.decoded_vocab  # a fresh list per property read
         self._cache: collections.OrderedDict[GrammarSpec, Any] = collections.OrderedDict()
         self.cache_bytes = 0
         self._inflight: dict[GrammarSpec, concurrent.futures.Future] = {}
@@ -345,7 +346,7 @@ class GrammarCompiler:
 
             control = re.compile(rb"[\x00-\x1f]")
             safe = [control.search(t if isinstance(t, bytes) else str(t).encode()) is None
-                    for t in self.info.decoded_vocab[:self.vocab_size]]
+                    for t in self._token_bytes[:self.vocab_size]]
             safe += [False] * (self.vocab_size - len(safe))  # ids past the tokenizer's vocabulary
             self._json_safe = torch.tensor(safe, dtype=torch.bool)
         return self._json_safe
@@ -356,7 +357,7 @@ class GrammarCompiler:
         compiled = self.compile(spec)
         m = self._xgr.GrammarMatcher(compiled, override_stop_tokens=list(stop_token_ids))
         extra = self.json_safe_mask() if spec.kind == "json_schema" else None
-        return Matcher(m, self._xgr, self.vocab_size, extra)
+        return Matcher(m, self._xgr, self.vocab_size, extra, self._token_bytes)
 
 
 def _over_budget(spec: GrammarSpec) -> GrammarError:

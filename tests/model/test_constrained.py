@@ -182,3 +182,35 @@ def test_the_compiled_grammar_cache_is_bounded(padded_engine, monkeypatch):
         assert make_spec(regex="[0-9]{3}") not in compiler._cache  # least recently used out
     finally:
         compiler.close()
+
+
+@pytest.mark.parametrize("spec", [
+    make_spec(regex="a{300}b(c|d)ef{20}"),
+    make_spec(json_schema={"type": "object", "properties": {
+        "name": {"enum": ["x" * 200, "y"]}, "n": {"type": "integer"}}, "required": ["name"]}),
+])
+def test_the_cached_forced_string_equals_xgrammars(padded_engine, spec):
+    """The matcher walks a forced string as tokens are accepted and rolled back; at every
+    state it must equal what xgrammar computes from scratch."""
+    import random
+
+    compiler = padded_engine.grammars
+    for seed in range(3):
+        m = compiler.matcher(spec, [0])
+        fresh = compiler.matcher(spec, [0])._m  # an uncached twin, driven the same way
+        rng = random.Random(seed)
+        accepted = 0
+        for _ in range(300):
+            assert m.jump_forward_string() == fresh.find_jump_forward_string()
+            if accepted and rng.random() < 0.2:
+                n = rng.randint(1, min(accepted, 5))
+                m.rollback(n)
+                fresh.rollback(n)
+                accepted -= n
+                continue
+            allowed = [t for t in m.allowed_mask().nonzero().flatten().tolist() if t != 0]
+            if not allowed:
+                break
+            tok = rng.choice(allowed)
+            assert m.accept(tok) and fresh.accept_token(tok)
+            accepted += 1
