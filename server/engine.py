@@ -186,8 +186,12 @@ class Engine:
         heartbeat(self.tp)
 
     def close(self) -> None:
-        """Stop the tensor-parallel ranks and leave the process group (idempotent; nothing to
-        do without them)."""
+        """Stop the grammar compile processes and the tensor-parallel ranks, and leave the
+        process group (idempotent)."""
+        with self._grammars_lock:
+            if self._grammars is not None:
+                self._grammars.close()
+                self._grammars = None
         if self.tp is None:
             return
         if all(p.is_alive() for p in self.tp_workers):

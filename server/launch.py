@@ -48,7 +48,7 @@ class _DrainingServer(uvicorn.Server):
         self.app = app
         self._loop: asyncio.AbstractEventLoop | None = None
         self._signalled = False
-        self._drain_task: asyncio.Task | None = None
+        self._drain_task: asyncio.Task | None = None  # held: the loop keeps weak references
 
     async def serve(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()

@@ -99,8 +99,8 @@ async def admit_chat(manager: TokenizerManager, body: ChatCompletionRequest
 
 def _check_batch(manager: TokenizerManager, count: int, param: str) -> None:
     """A request runs ``count`` sequences (prompts x n): at most MAX_BATCH and the server's
-    queue size (413 naming the limit, which no retry changes), and all of them or none enter the queue (503 +
-    Retry-After when they do not fit now), so a batch never half-starts."""
+    queue size (413 naming the limit, which no retry changes), and all of them or none enter
+    the queue (503 + Retry-After when they do not fit now), so a batch never half-starts."""
     limit = min(MAX_BATCH, manager.max_queued_requests)
     if count > limit:
         raise ApiError(413, f"{param}: a request runs at most {limit} sequences (prompts "

@@ -188,7 +188,7 @@ class TokenizerManager:
         entry = self.in_flight.get(rid)
         if entry is None or entry.stalled:
             return
-        if entry.unread_since is None or q.qsize() == 1:
+        if entry.unread_since is None:  # the handler took everything before this output
             entry.unread_since = now
         elif now - entry.unread_since > self.stream_stall_s:
             entry.stalled = True
