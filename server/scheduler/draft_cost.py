@@ -13,9 +13,14 @@ the choice is cost alone. A pass of ``rows`` rows that would produce ``rows`` to
 i.e. when it raises the pass's tokens per second. ``c`` is an exponential moving average of
 measured pass seconds per row count (:class:`PassCosts`), interpolated linearly between the
 measured counts and extrapolated from the two nearest beyond them (with many streams the row
-counts of passes with drafts rarely repeat); with fewer than two counts measured the draft is
-kept (that pass measures one), and one refused draft in ``EXPLORE_EVERY`` is kept anyway so a
-cost measured on a slow pass (a warm-up, a noisy neighbour) is measured again.
+counts of passes with drafts rarely repeat). While a cost is unknown, or the two contradict
+each other (a wider pass measured no dearer than a narrower one), the gate decides so that the
+pass measures the one in doubt: the draft is kept while ``c(rows + k)`` is unknown and refused
+while ``c(rows)`` is unknown or not below ``c(rows + k)``. (A request alone whose first, one-row
+pass was its prompt's, 184 ms, never ran a one-row pass again: every draft looked free, and each
+step verified 32 forced tokens of which ~1 in 2,000 was accepted, 110 ms per token instead of
+20.) One refused draft in ``EXPLORE_EVERY`` is kept anyway so a cost measured on a slow pass (a
+warm-up, a noisy neighbour) is measured again.
 
 The rule is SGLang's compressed-FSM jump-forward (Zheng et al. 2024, §4) and prompt-lookup
 decoding (Saxena 2023) decided per request from measured costs; the criterion is speculative
@@ -93,8 +98,8 @@ class DraftGate:
         """Whether a ``k``-token draft from ``source`` should join a pass that would otherwise
         run ``rows`` rows (``rows`` >= 1, counting the drafting request's own row)."""
         base, wide = self.costs.cost(rows), self.costs.cost(rows + k)
-        keep = True
-        if base is not None and wide is not None:
+        keep = wide is None  # kept: this pass measures c(rows + k); refused: c(rows)
+        if base is not None and wide is not None and base < wide:
             expected = self.acceptance(source) * k
             keep = (rows + expected) * base > rows * wide
             if not keep:

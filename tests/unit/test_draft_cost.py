@@ -37,6 +37,33 @@ def test_an_unmeasured_width_keeps_the_draft_so_it_gets_measured():
     assert not gate.pays("ngram", 4, 8)
 
 
+def test_an_unmeasured_base_refuses_the_draft_so_it_gets_measured():
+    """A request alone whose drafts were all kept only ever ran 33-row passes: c(1) stayed
+    unknown and every draft was kept, though ~1 forced token in 2,000 was accepted."""
+    gate = DraftGate()
+    gate.costs.record(33, 0.110)
+    gate.observe("jump_forward", 5840, 3)
+    assert not gate.pays("jump_forward", 1, 32)  # this pass measures c(1)
+    gate.costs.record(1, 0.020)
+    assert not gate.pays("jump_forward", 1, 32)  # now weighed: 1.02 tokens for 5.5x the cost
+    assert gate.kept == 0 and gate.dropped == 2
+
+
+def test_a_base_measured_dearer_than_the_wide_pass_is_measured_again():
+    """The one-row pass measured was the prompt's (184 ms, more than a 33-row verify pass):
+    keeping drafts would never re-measure it, so the draft is refused until it is."""
+    gate = DraftGate()
+    gate.costs.record(1, 0.184)
+    gate.costs.record(33, 0.110)
+    gate.observe("jump_forward", 5840, 3)
+    assert not gate.pays("jump_forward", 1, 32)
+    gate.costs.alpha = 1.0
+    gate.costs.record(1, 0.020)
+    assert not gate.pays("jump_forward", 1, 32)
+    gate.observe("jump_forward", 100_000, 100_000)  # nearly every forced token accepted
+    assert gate.pays("jump_forward", 1, 32)
+
+
 def test_the_criterion_weighs_cost_against_expected_acceptance():
     gate = DraftGate()
     gate.costs.record(1, 0.010)
