@@ -142,11 +142,16 @@ class CompileProcess:
     def _start(self) -> None:
         ctx = _context()
         parent, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, args=(child, self.info_json, self.vocab_size),
-                                 daemon=True, name="grammar-compile")
-        self._proc.start()
-        child.close()
-        self._conn = parent
+        proc = ctx.Process(target=_serve, args=(child, self.info_json, self.vocab_size),
+                           daemon=True, name="grammar-compile")
+        try:
+            proc.start()  # kept only once started: close() joins what it holds
+        except BaseException:
+            parent.close()
+            raise
+        finally:
+            child.close()
+        self._proc, self._conn = proc, parent
 
     def close(self) -> None:
         """Stop the child (idempotent)."""
