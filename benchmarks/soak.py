@@ -5,12 +5,15 @@ jump-forward, slow grammar compiles, lone surrogates, grammars matching nothing 
 oversized batches and chunked bodies, forced tool calls without tools or on array schemas,
 disconnects, aborts of unknown ids).
 
-    python -m benchmarks.soak [--seconds 300]
+    python -m benchmarks.soak [--seconds 300] [--only kind,...] [--burners N]
 
 Prints the CPU class, then: responses by status (5xx must be 0), /health latency p50/p99/max
 (polled every 50 ms), the longest gap between events of a well-behaved stream, the server's
-RSS (HTTP process plus children) after a warm-up round and after the soak once idle, and the
-KV usage once idle. Exit code 1 when a goal of the issue is missed: 0 5xx, /health p99 < 100 ms
+RSS (HTTP process plus children) after a warm-up round and after the soak once idle, the CPU
+seconds the server and the client processes used (they share the machine's CPUs), and the
+KV usage once idle. ``--burners N`` adds N processes that only spin: with
+``--only chat,stream,json_client`` it measures what losing that much CPU does to the streams
+without any hostile request. Exit code 1 when a goal of the issue is missed: 0 5xx, /health p99 < 100 ms
 and max < 1 s, no stream gap > 1 s, RSS within 10 % of its start, KV usage back to 0.
 """
 
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import statistics
 import subprocess
 import threading
@@ -40,34 +44,39 @@ HUGE_SCHEMA_BODY = json.dumps({"messages": MSG, "max_tokens": 4, "response_forma
 MEBIBYTE = b"x" * (1 << 20)
 
 
-def tree_rss_mb(pid: int) -> dict[str, float]:
-    """RSS in MB of ``pid`` and its descendants by role ("http", "scheduler", "grammar
-    compile", ...; shared pages counted once per process), and their "total"."""
-    out = subprocess.run(["ps", "-eo", "pid=,ppid=,rss=,args="], capture_output=True,
+def tree_usage(pid: int) -> tuple[dict[str, float], float]:
+    """(RSS in MB of ``pid`` and its descendants by role ("http", "scheduler", "grammar
+    compile", ...; shared pages counted once per process) with their "total", CPU seconds
+    the living ones have used)."""
+    out = subprocess.run(["ps", "-eo", "pid=,ppid=,rss=,times=,args="], capture_output=True,
                          text=True).stdout
     children: dict[int, list[int]] = {}
     rows = {}
     for line in out.splitlines():
-        p, pp, r, args = line.split(None, 3)
+        p, pp, r, cpu, args = line.split(None, 4)
         children.setdefault(int(pp), []).append(int(p))
-        rows[int(p)] = (int(r) / 1024, args)
+        rows[int(p)] = (int(r) / 1024, int(cpu), args)
     roles: Counter = Counter()
+    cpu_s = 0.0
     stack = [pid]
     while stack:
         p = stack.pop()
         if p in rows:
-            mb, args = rows[p]
+            mb, cpu, args = rows[p]
             role = ("http" if p == pid else "scheduler" if "spawn_main" in args
                     else "grammar compile" if "forkserver" in args else "other")
             roles[role] += mb
+            cpu_s += cpu
         stack.extend(children.get(p, []))
     roles["total"] = sum(roles.values())
-    return dict(roles)
+    return dict(roles), cpu_s
 
 
 class Soak:
-    def __init__(self, url: str, seconds: float, only: set[str] | None = None):
-        self.url, self.seconds, self.only = url, seconds, only
+    def __init__(self, url: str, seconds: float, only: set[str] | None = None,
+                 burners: int = 0):
+        self.url, self.seconds, self.only, self.burners = url, seconds, only, burners
+        self.client_cpu_s = 0.0  # CPU seconds the client processes used in run()
         self.statuses: Counter = Counter()
         self.five_xx: list[str] = []
         self.client_errors: list[str] = []
@@ -225,10 +234,14 @@ class Soak:
         procs = [ctx.Process(target=run_client, args=(self.url, kind, self.seconds, results))
                  for kind in self.mix()]
         procs.append(ctx.Process(target=poll_health, args=(self.url, self.seconds, results)))
+        procs += [ctx.Process(target=burn, args=(self.seconds, results))
+                  for _ in range(self.burners)]
         for p in procs:
             p.start()
         for _ in procs:
-            kind, statuses, five_xx, errors, samples = results.get(timeout=self.seconds + 600)
+            kind, statuses, five_xx, errors, samples, cpu_s = results.get(
+                timeout=self.seconds + 600)
+            self.client_cpu_s += cpu_s
             self.statuses.update(statuses)
             self.five_xx += five_xx
             self.client_errors += errors
@@ -243,7 +256,17 @@ def run_client(url: str, kind: str, seconds: float, results) -> None:
     soak = Soak(url, seconds)
     soak.deadline = time.monotonic() + seconds
     soak.client(getattr(soak, kind)).run()
-    results.put((kind, soak.statuses, soak.five_xx, soak.client_errors, soak.gaps))
+    results.put((kind, soak.statuses, soak.five_xx, soak.client_errors, soak.gaps,
+                 time.process_time()))
+
+
+def burn(seconds: float, results) -> None:
+    """Spin a CPU for ``seconds`` sending nothing (``--burners``: the control for how much
+    losing CPU to other processes alone stretches the streams' gaps)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        pass
+    results.put(("burner", Counter(), [], [], [], time.process_time()))
 
 
 def poll_health(url: str, seconds: float, results) -> None:
@@ -259,7 +282,7 @@ def poll_health(url: str, seconds: float, results) -> None:
             if status != 200:
                 bad.append(f"health: {status}")
             time.sleep(0.05)
-    results.put(("health", Counter(), bad, [], latencies))
+    results.put(("health", Counter(), bad, [], latencies, time.process_time()))
 
 
 def wait_idle(url: str, timeout: float = 120) -> dict:
@@ -279,24 +302,28 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=300)
     ap.add_argument("--only", default=None, help="comma-separated client kinds (method names, "
                     "e.g. chat,stream,redos) to run instead of the whole mix")
+    ap.add_argument("--burners", type=int, default=0, help="processes that only spin a CPU "
+                    "(a control: with --only chat,stream,json_client, the gaps that losing CPU "
+                    "alone causes)")
     args = ap.parse_args()
     print(f"CPU: {cpu_description()}")
     rt = Runtime(None, extra_args=["--log-level", "warning"], cwd=REPO_ROOT)
     try:
         soak = Soak(rt.base_url, args.seconds,
-                    set(args.only.split(",")) if args.only else None)
+                    set(args.only.split(",")) if args.only else None, args.burners)
         soak.warm_up()
         wait_idle(rt.base_url)
         soak.statuses.clear()
         soak.five_xx.clear()
         soak.client_errors.clear()
-        rss_start = tree_rss_mb(rt.proc.pid)
+        rss_start, cpu_start = tree_usage(rt.proc.pid)
         started = time.monotonic()
         soak.run()
         elapsed = time.monotonic() - started
+        _, cpu_run = tree_usage(rt.proc.pid)
         info = wait_idle(rt.base_url)
         time.sleep(2)
-        rss_end = tree_rss_mb(rt.proc.pid)
+        rss_end, _ = tree_usage(rt.proc.pid)
     finally:
         rt.shutdown()
     h = sorted(soak.health)
@@ -317,6 +344,9 @@ def main() -> int:
           f"{rss_end['total']:.0f} MB after ({(rss_end['total'] / rss_start['total'] - 1) * 100:+.1f}"
           f" %); by process: " + ", ".join(f"{k} {rss_start.get(k, 0):.0f} -> {v:.0f}"
                                            for k, v in rss_end.items() if k != "total"))
+    print(f"CPU over the run: server {cpu_run - cpu_start:.0f} s, client processes "
+          f"{soak.client_cpu_s:.0f} s, of {os.cpu_count()} CPUs x {elapsed:.0f} s = "
+          f"{(os.cpu_count() or 1) * elapsed:.0f} s")
     print(f"kv_usage idle {kv}, invariants {'ok' if info['invariants_ok'] else 'VIOLATED'}")
     ok = (five == 0 and p99 < 0.1 and h[-1] < 1.0 and gap <= 1.0
           and rss_end["total"] <= 1.1 * rss_start["total"] and kv == 0 and info["invariants_ok"])
