@@ -85,6 +85,7 @@ class Ready(msgspec.Struct, tag=True):
     max_total_tokens: int
     dtype: str
     kv_cache_dtype: str  # the KV pool's
+    kv_bytes_per_token: int = 0  # K+V bytes of one token over all layers (TokenKVPool)
     device: str = "cpu"
     attention_backend: str = "reference"
     quantization: str = "none"  # what the runner kept quantized (QuantReport.summary())

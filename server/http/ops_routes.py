@@ -137,7 +137,8 @@ async def server_info(request: Request):
     manager = manager_of(request)
     info = await manager.server_info()
     now = time.monotonic()
-    return {"max_total_tokens": manager.info.max_total_tokens, "metrics": info.metrics,
+    return {"max_total_tokens": manager.info.max_total_tokens,
+            "kv_bytes_per_token": manager.info.kv_bytes_per_token, "metrics": info.metrics,
             "invariant_violations": info.invariant_violations,
             "invariants_ok": info.invariant_violations == 0,
             # the HTTP side's view: requests being served now, and how many ran unbounded

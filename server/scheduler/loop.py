@@ -248,6 +248,7 @@ def run_scheduler_process(config: EngineConfig, to_scheduler: str, from_schedule
         model_name=engine.model_name, vocab_size=engine.arch.vocab_size,
         context_len=engine.context_len, max_total_tokens=engine.config.cache.max_total_tokens,
         dtype=mc.dtype, device=mc.device, kv_cache_dtype=mc.kv_cache_dtype,
+        kv_bytes_per_token=engine.kv_pool.bytes_per_token(),
         attention_backend=mc.attention_backend, quantization=quant, compiled=engine.runner.compiled,
         batch_invariant=engine.runner.batch_invariant, speculative_ngram=ngram)))
     loop = SchedulerLoop(engine, recv, send)

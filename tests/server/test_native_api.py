@@ -159,6 +159,8 @@ def test_info_routes(c, healthy):
     assert c.get("/get_model_info").json() == info
     s = c.get("/server_info").json()
     assert s["invariants_ok"] and s["max_total_tokens"] == 4096
+    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[info["kv_cache_dtype"]]
+    assert s["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * itemsize  # K+V x layers x heads x dim
     assert c.get("/get_server_info").status_code == 200
 
 
