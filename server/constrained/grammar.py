@@ -23,7 +23,7 @@ The scheduler parks a request while its grammar compiles and keeps serving the o
 After a large compiled grammar is loaded the heap's free memory is given back to the OS
 (``malloc_trim``, ~10 ms): loading one parses a serialized copy several times its size in the
 compile thread's malloc arena, and evicted grammars left holes there. The slow-grammar soak
-client's scheduler held 615 MB for a full cache (start 330), now 440.
+client's scheduler held 615 MB for a full cache (start 330), now 430.
 
 Errors: :class:`GrammarError` (a ValueError with ``param``), answered as HTTP 400.
 """

@@ -99,9 +99,10 @@ class DraftGate:
         run ``rows`` rows (``rows`` >= 1, counting the drafting request's own row)."""
         base, wide = self.costs.cost(rows), self.costs.cost(rows + k)
         keep = wide is None  # kept: this pass measures c(rows + k); refused: c(rows)
-        if base is not None and wide is not None and base < wide:
+        if base is not None and wide is not None:
             expected = self.acceptance(source) * k
-            keep = (rows + expected) * base > rows * wide
+            # base >= wide contradicts itself: refused, so the pass re-measures c(rows)
+            keep = base < wide and (rows + expected) * base > rows * wide
             if not keep:
                 self._refused += 1
                 keep = self._refused % EXPLORE_EVERY == 0

@@ -83,3 +83,13 @@ def test_one_refusal_in_explore_every_is_kept_to_remeasure():
     gate.costs.record(6, 1.0)
     decisions = [gate.pays("ngram", 2, 4) for _ in range(3 * EXPLORE_EVERY)]
     assert sum(decisions) == 3 and decisions[EXPLORE_EVERY - 1]
+
+
+def test_contradicting_costs_still_explore_the_wide_pass():
+    """A wide pass measured cheaper than a narrow one on a lucky moment is measured again now
+    and then, or its drafts would be refused for good."""
+    gate = DraftGate()
+    gate.costs.record(2, 0.020)
+    gate.costs.record(3, 0.015)
+    decisions = [gate.pays("jump_forward", 2, 1) for _ in range(2 * EXPLORE_EVERY)]
+    assert sum(decisions) == 2 and decisions[EXPLORE_EVERY - 1]
