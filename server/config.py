@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 # and server.model.quantization in tests/unit/test_config.py.
 ATTENTION_BACKENDS = ("auto", "reference", "cpu", "triton", "flashinfer")
 QUANTIZATION_MODES = ("auto", "none", "int8", "int4")
-CPU_ISAS = ("auto", "none", "avx2", "avx512", "avx512_bf16", "amx")  # kernels.cpu_features
+CPU_ISAS = ("auto", "none", "avx2", "avx512", "avx512_vnni", "avx512_bf16", "amx")  # kernels.cpu_features
 _DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
            "half": "float16", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 SCHEDULE_POLICIES = ("lpm", "dfs_weight", "fcfs", "random")
@@ -117,16 +117,17 @@ class ModelConfig:
             raise ConfigError(f"context_length must be >= 2, got {self.context_length}")
 
     @property
-    def native_cpu_kernels(self) -> bool:
-        """The ``kernels.cpu`` library runs this model's linear layers (resolved configs: a CPU
-        device, cpu_isa "avx2" or above, the library built, and no torch_compile: a compiled
-        decoder stack runs torch's own ops, which inductor fuses)."""
+    def linear_kernel(self) -> str | None:
+        """The ``kernels.cpu`` linear kernel this model's quantized linear layers run on
+        (resolved configs: a CPU device, no torch_compile: a compiled decoder stack runs
+        torch's own ops, which inductor fuses): "avx512_vnni" from that CPU class up, "avx2"
+        from avx2 up, each where its library is built and the machine can run it
+        (:func:`kernels.cpu.linear_kernel`); None for torch's packed ops."""
         from kernels import cpu as native
-        from kernels.cpu_features import at_least
 
-        return (self.device == "cpu" and self.cpu_isa not in ("auto", "none")
-                and not self.torch_compile and at_least("avx2", self.cpu_isa)
-                and native.available())
+        if self.device != "cpu" or self.cpu_isa in ("auto", "none") or self.torch_compile:
+            return None
+        return native.linear_kernel(self.cpu_isa)
 
     @property
     def torch_dtype(self) -> "torch.dtype":  # noqa: F821 - torch is imported lazily

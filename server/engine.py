@@ -24,7 +24,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
-from kernels.cpu_features import native_bf16
+from kernels.cpu_features import at_least, native_bf16
 from server.cache.kv_pool import TokenKVPool
 from server.cache.manager import CacheManager
 from server.cache.radix_tree import RadixCache
@@ -59,7 +59,10 @@ from server.scheduler.validation import InvalidRequestError
 
 Prompt = str | Sequence[int]
 # Extend passes of at least this many tokens run quantized linears on a dense bf16 copy where
-# the CPU has bf16 dot products (measured break-even ~32 rows; see QuantLinear).
+# the CPU has bf16 dot products and the linear kernel is the AVX2 one (measured break-even ~32
+# rows; see QuantLinear), or the CPU has AMX tiles. The AVX-512 VNNI kernel was faster than
+# oneDNN's dense bf16 matmul at every row count on an AVX512-BF16 CPU (README, "Native CPU
+# linear layers"); AMX's bf16 tiles were not measured against it.
 DENSE_PREFILL_ROWS = 64
 
 
@@ -101,16 +104,14 @@ class Engine:
                                    else loaded.arch.num_kv_heads, loaded.arch.head_dim,
                                    dtype=mc.torch_kv_dtype, device=mc.device)
         self.req_table = ReqToTokenTable(sc.max_running_requests, self.context_len, mc.device)
+        linear = mc.linear_kernel
         self.runner = ModelRunner(loaded, self.kv_pool, dtype=mc.torch_dtype, device=mc.device,
                                   max_positions=self.context_len,
                                   attention_backend=mc.attention_backend,
                                   quantization=mc.quantization,
                                   compile=mc.torch_compile,
-                                  dense_prefill_rows=(DENSE_PREFILL_ROWS if mc.device == "cpu"
-                                                      and native_bf16(mc.cpu_isa)
-                                                      and not mc.deterministic_inference
-                                                      else None),
-                                  native_linear=mc.native_cpu_kernels,
+                                  dense_prefill_rows=self._dense_prefill_rows(mc, linear),
+                                  native_linear=linear,
                                   cuda_graph_max_bs=(0 if mc.disable_cuda_graph else
                                                      min(mc.cuda_graph_max_bs,
                                                          sc.max_running_requests)),
@@ -135,6 +136,15 @@ class Engine:
         self._model_path = loaded.path
         if self.runner.compiled:
             self._warm_up()
+
+    @staticmethod
+    def _dense_prefill_rows(mc, linear: str | None) -> int | None:
+        """Extend passes of at least this many tokens run on dense bf16 weight copies (None:
+        never): see DENSE_PREFILL_ROWS; never with deterministic_inference."""
+        if (mc.device != "cpu" or not native_bf16(mc.cpu_isa) or mc.deterministic_inference
+                or (linear == "avx512_vnni" and not at_least("amx", mc.cpu_isa))):
+            return None
+        return DENSE_PREFILL_ROWS
 
     def _tiers(self, loaded, cc, mc) -> KVTiers | None:
         """The host and disk tiers the cache config asks for (:mod:`server.cache.tiers`)."""

@@ -1,10 +1,14 @@
 """Build the sgl_cpu operator library (``python -m kernels.cpu.build``; ``make`` runs it at
 install time, never the server at run time).
 
-The C++ sources in ``kernels/cpu/csrc`` are compiled with torch's extension builder (ninja, the
-system C++ compiler) into ``kernels/cpu/_build/sgl_cpu.so`` for AVX2 + FMA + F16C, which every
-CPU class this project targets (AVX2-only, AVX-512, AMX) executes. Re-running is cheap: ninja
-rebuilds only what changed. Exit status 1 with the compiler's message when the build fails.
+Two libraries, each compiled with torch's extension builder (ninja, the system C++ compiler):
+  * ``kernels/cpu/csrc`` -> ``kernels/cpu/_build/sgl_cpu.so`` for AVX2 + FMA + F16C, which every
+    CPU class this project targets (AVX2-only, AVX-512, AMX) executes;
+  * ``kernels/cpu/csrc_vnni`` -> ``kernels/cpu/_build/vnni/sgl_cpu_vnni.so`` for AVX-512 F/BW/VL/DQ
+    + VNNI. It is built on every machine (the compiler needs no such CPU) and loaded only on
+    one that has them (:mod:`kernels.cpu`).
+Re-running is cheap: ninja rebuilds only what changed. Exit status 1 with the compiler's
+message when a build fails.
 """
 
 from __future__ import annotations
@@ -12,32 +16,38 @@ from __future__ import annotations
 import os
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCES = sorted(os.path.join(HERE, "csrc", f) for f in os.listdir(os.path.join(HERE, "csrc"))
-                 if f.endswith(".cpp"))
-BUILD_DIR = os.path.join(HERE, "_build")
-LIBRARY = os.path.join(BUILD_DIR, "sgl_cpu.so")
+from kernels.cpu import HERE, LIBRARY, VNNI_LIBRARY
+
 CFLAGS = ["-O3", "-std=c++20", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-DNDEBUG"]
+VNNI_CFLAGS = CFLAGS + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"]
+# library path (its file name is the library's name) -> (source directory, compiler flags)
+LIBRARIES = {LIBRARY: ("csrc", CFLAGS), VNNI_LIBRARY: ("csrc_vnni", VNNI_CFLAGS)}
 
 
-def build(verbose: bool = False) -> str:
-    """Compile (or bring up to date) the library; returns its path. Raises RuntimeError
+def build(verbose: bool = False) -> list[str]:
+    """Compile (or bring up to date) every library; returns their paths. Raises RuntimeError
     (torch's, with the compiler output) when compiling fails."""
     from torch.utils.cpp_extension import load
 
-    os.makedirs(BUILD_DIR, exist_ok=True)
-    load(name="sgl_cpu", sources=SOURCES, extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
-         build_directory=BUILD_DIR, is_python_module=False, verbose=verbose)
-    return LIBRARY
+    for path, (src, cflags) in LIBRARIES.items():
+        src_dir = os.path.join(HERE, src)
+        sources = sorted(os.path.join(src_dir, f) for f in os.listdir(src_dir)
+                         if f.endswith(".cpp"))
+        build_dir, name = os.path.split(path)
+        os.makedirs(build_dir, exist_ok=True)
+        load(name=name.removesuffix(".so"), sources=sources, extra_cflags=cflags,
+             extra_ldflags=["-fopenmp"], build_directory=build_dir, is_python_module=False,
+             verbose=verbose)
+    return list(LIBRARIES)
 
 
 def main() -> int:
     try:
-        path = build(verbose="-v" in sys.argv)
+        paths = build(verbose="-v" in sys.argv)
     except (RuntimeError, OSError) as exc:
         print(f"building the sgl_cpu kernels failed: {exc}", file=sys.stderr)
         return 1
-    print(f"built {path}")
+    print("built " + ", ".join(paths))
     return 0
 
 

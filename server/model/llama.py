@@ -251,7 +251,7 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]], *,
                      dtype: torch.dtype, device: torch.device,
                      quantization: str = "none",
-                     dense_min_rows: int | None = None, native: bool = False) -> QuantReport:
+                     dense_min_rows: int | None = None, native: str | None = None) -> QuantReport:
         """Materialize this meta-device model from HF-named tensors (see
         :func:`server.model.weight_loading.load_weights`), then build the RoPE tables.
         Norm weights get ``arch.norm_offset`` added (Gemma's (1 + w), folded in once).

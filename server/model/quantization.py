@@ -191,11 +191,14 @@ class QuantLinear(nn.Module):
             with native bf16 dot products (AVX512-BF16/AMX) a dense bf16 matmul of 256+ rows ran
             1.9-2.6x faster than the packed int4 kernel, which computes with fp32 FMAs, while
             below ~32 rows (decode) the packed weight wins by reading 4x fewer bytes.
-        native: run on the ``kernels.cpu`` library (:func:`kernels.cpu.int4_linear` /
+        native: the ``kernels.cpu`` linear kernel to run on instead of torch's packed ops
+            (bfloat16 activations), or None: "avx2" (:func:`kernels.cpu.int4_linear` /
             :func:`kernels.cpu.int8_linear`: float32 FMAs over weights dequantized in
-            registers, float32 or bfloat16 activations as given, every row independent of the
-            batch) instead of torch's packed ops (bfloat16 activations). The caller checks
-            that the library is available.
+            registers, float32 or bfloat16 activations as given) or "avx512_vnni"
+            (:func:`kernels.cpu.vnni_int4_linear` / :func:`kernels.cpu.vnni_int8_linear`:
+            activations quantized per row to int8 in blocks of 32, integer dot products).
+            Either computes every row independently of the batch. The caller checks that the
+            kernel is available (:func:`kernels.cpu.linear_kernel`).
 
     forward: x [..., K] any float dtype -> [..., N] in x's dtype.
     Raises QuantizationError for an int4 shape the kernel cannot pack (see
@@ -203,7 +206,7 @@ class QuantLinear(nn.Module):
     """
 
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None,
-                 dense_min_rows: int | None = None, native: bool = False):
+                 dense_min_rows: int | None = None, native: str | None = None):
         super().__init__()
         n, k = weight.shape
         self.dense_min_rows = dense_min_rows
@@ -215,12 +218,18 @@ class QuantLinear(nn.Module):
         if native:
             from kernels import cpu as native_kernels
 
-            if k % (INT4_GROUP if weight.kind == "int4" else 8):
-                raise QuantizationError(f"the native kernels need in_features a multiple of "
-                                        f"{INT4_GROUP} (int4) or 8 (int8), got [{n}, {k}]")
-            if weight.kind == "int4":
+            multiple = native_kernels.k_multiple(native, weight.kind)
+            if k % multiple:
+                raise QuantizationError(f"the {native} kernels need in_features a multiple of "
+                                        f"{multiple} ({weight.kind}), got [{n}, {k}]")
+            scales = torch.empty(0)
+            if native == "avx512_vnni" and weight.kind == "int4":
+                packed = native_kernels.vnni_pack_int4(weight.q, weight.scale, weight.zero)
+            elif native == "avx512_vnni":
+                packed = native_kernels.vnni_pack_int8(weight.q)
+                scales = weight.scale.float().contiguous()
+            elif weight.kind == "int4":
                 packed = native_kernels.pack_int4(weight.q, weight.scale, weight.zero)
-                scales = torch.empty(0)
             else:
                 packed, scales = weight.q.contiguous(), weight.scale.float().contiguous()
             self.register_buffer("packed", packed, persistent=False)
@@ -281,7 +290,11 @@ class QuantLinear(nn.Module):
             x2 = x2.float()
         if not x2.is_contiguous():
             x2 = x2.contiguous()
-        if self.kind == "int4":
+        if self.native == "avx512_vnni":
+            y = (torch.ops.sgl_cpu_vnni.int4_linear(x2, self.packed, self.out_features)
+                 if self.kind == "int4" else
+                 torch.ops.sgl_cpu_vnni.int8_linear(x2, self.packed, self.scales_and_zeros))
+        elif self.kind == "int4":
             y = torch.ops.sgl_cpu.int4_linear(x2, self.packed, self.out_features)
         else:
             y = torch.ops.sgl_cpu.int8_linear(x2, self.packed, self.scales_and_zeros)
@@ -301,12 +314,13 @@ class QuantEmbedding(nn.Module):
     """A token embedding [V, H] kept quantized; rows are dequantized on lookup.
 
     ``forward(ids [T] int64) -> [T, H]`` in ``dtype``. For tied embeddings, :attr:`as_linear`
-    is the lm_head ``QuantLinear`` over the same weight (int8 shares the tensor; int4 keeps a
-    second, packed copy because the packed layout cannot be indexed by row).
+    is the lm_head ``QuantLinear`` over the same weight (int8 shares the tensor; int4, and int8
+    on the "avx512_vnni" kernel, keep a second, packed copy because the packed layouts cannot
+    be indexed by row).
     """
 
     def __init__(self, weight: QuantizedWeight, dtype: torch.dtype, tied: bool,
-                 native: bool = False):
+                 native: str | None = None):
         super().__init__()
         self.kind, self.dtype, self.source = weight.kind, dtype, weight.source
         v, h = weight.shape
@@ -319,8 +333,8 @@ class QuantEmbedding(nn.Module):
             self.zero = None
         self.register_buffer("scale", weight.scale.contiguous(), persistent=False)
         self.as_linear = QuantLinear(weight, native=native) if tied else None
-        if self.as_linear is not None and weight.kind == "int8":
-            self.as_linear.packed = self.q  # the same int8 tensor
+        if self.as_linear is not None and weight.kind == "int8" and native != "avx512_vnni":
+            self.as_linear.packed = self.q  # the same int8 tensor (the VNNI kernel repacks it)
 
     def _apply(self, fn, recurse=True):
         # as QuantLinear: follow device moves, never dtype casts of the scales

@@ -45,15 +45,16 @@ class ModelRunner:
             (:mod:`server.model.tp_worker`).
         dense_prefill_rows: quantized linears keep a dense bf16 copy for extend passes of at
             least this many tokens (:class:`server.model.quantization.QuantLinear`); None = off.
-        native_linear: quantized linears run on the ``kernels.cpu`` library
-            (:class:`server.model.quantization.QuantLinear`); the caller checks availability.
+        native_linear: the ``kernels.cpu`` linear kernel quantized linears run on ("avx2",
+            "avx512_vnni"; :class:`server.model.quantization.QuantLinear`), or None; the caller
+            checks availability.
     """
 
     def __init__(self, loaded: LoadedModel, kv_pool: TokenKVPool, *, dtype: torch.dtype,
                  device: str = "cpu", max_positions: int, attention_backend: str = "auto",
                  quantization: str = "none", compile: bool = False,
                  compile_cache_dir: str | None = DEFAULT_CACHE_DIR,
-                 dense_prefill_rows: int | None = None, native_linear: bool = False,
+                 dense_prefill_rows: int | None = None, native_linear: str | None = None,
                  cuda_graph_max_bs: int = 0,
                  req_to_token: torch.Tensor | None = None, tp: TPGroup | None = None):
         arch = loaded.arch

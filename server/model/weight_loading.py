@@ -20,7 +20,6 @@ import torch
 from torch import nn
 
 from server.model.quantization import (
-    INT4_GROUP,
     QUANTIZATION_MODES,
     QuantEmbedding,
     QuantizationError,
@@ -48,7 +47,7 @@ class QuantReport:
 
     mode: str
     dense_min_rows: int | None = None
-    native: bool = False  # quantized linears run on the kernels.cpu library
+    native: str | None = None  # the kernels.cpu linear kernel quantized linears run on
     modules: Counter = field(default_factory=Counter)
     sources: Counter = field(default_factory=Counter)
     weight_bytes: int = 0
@@ -72,7 +71,7 @@ class QuantReport:
         packed = (self.weight_bytes - self.prefill_copy_bytes) / 2**20
         dense = (f" + {self.prefill_copy_bytes / 2**20:.0f} MiB bf16 copies for extends of >= "
                  f"{self.dense_min_rows} tokens" if self.prefill_copy_bytes else "")
-        kernel = " on sgl_cpu kernels" if self.native and self.sources else ""
+        kernel = f" on sgl_cpu {self.native} kernels" if self.native and self.sources else ""
         return f"{self.mode}: {kinds} [{src}], {packed:.0f} MiB{dense}{kernel}"
 
 
@@ -84,7 +83,7 @@ def _module_of(model: nn.Module, name: str) -> tuple[nn.Module, str]:
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]],
                  param_target: Callable[[str], Target | None], *, dtype: torch.dtype,
                  device: torch.device, quantization: str = "none",
-                 dense_min_rows: int | None = None, native: bool = False) -> QuantReport:
+                 dense_min_rows: int | None = None, native: str | None = None) -> QuantReport:
     """Fill ``model`` (built on the meta device) from ``weights``.
 
     Args:
@@ -95,8 +94,9 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | Q
             "int4" / "int8" (quantize every ``nn.Linear`` weight and ``nn.Embedding``).
         dense_min_rows: quantized linears also keep a dense bf16 copy for inputs of at least
             this many rows (prefill on CPUs with native bf16; see :class:`QuantLinear`).
-        native: quantized linears run on the ``kernels.cpu`` library (see
-            :class:`QuantLinear`); the caller checks that it is available.
+        native: the ``kernels.cpu`` linear kernel quantized linears run on ("avx2",
+            "avx512_vnni"; see :class:`QuantLinear`), or None for torch's packed ops; the
+            caller checks that it is available.
 
     Returns a :class:`QuantReport`. Raises WeightLoadError, QuantizationError.
     """
@@ -163,7 +163,7 @@ def _target_kind(blocks: list, quantization: str, n: int, k: int) -> str:
 
 def _install_quantized(model: nn.Module, name: str, blocks: list, quantization: str,
                        dtype: torch.dtype, device: torch.device, report: QuantReport,
-                       dense_min_rows: int | None, native: bool) -> None:
+                       dense_min_rows: int | None, native: str | None) -> None:
     module_name = name.rsplit(".", 1)[0]
     module = model.get_submodule(module_name)
     n, k = module.weight.shape
@@ -174,8 +174,11 @@ def _install_quantized(model: nn.Module, name: str, blocks: list, quantization: 
                  else f"{getattr(b, 'source', 'float')} -> {kind}" for _, b in blocks}:
         report.sources[part] += 1
     report.modules[kind] += 1
-    # the native kernels take K in multiples of 32 (int4 blocks) or 8 (int8 rows)
-    native = native and k % (INT4_GROUP if kind == "int4" else 8) == 0
+    # the native kernels take K in multiples of 32 (int4 blocks, VNNI) or 8 (AVX2 int8 rows)
+    if native:
+        from kernels.cpu import k_multiple
+
+        native = native if k % k_multiple(native, kind) == 0 else None
     if report.native and not native:
         report.off_native += 1
     if isinstance(module, nn.Embedding):

@@ -26,7 +26,9 @@ def test_isa_levels_from_flags_and_the_override(monkeypatch):
     assert isa_from_flags({"avx", "fma"}) == "none"
     assert isa_from_flags({"avx2", "fma", "avx512f"}) == "avx2"  # no avx512bw/vl: still avx2
     assert isa_from_flags({"avx2", "fma", "avx512f", "avx512bw", "avx512vl"}) == "avx512"
-    zen4 = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"}
+    icelake = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
+    assert isa_from_flags(icelake) == "avx512_vnni" and not native_bf16("avx512_vnni")
+    zen4 = icelake | {"avx512_bf16"}
     assert isa_from_flags(zen4) == "avx512_bf16" and native_bf16(isa_from_flags(zen4))
     spr = zen4 | {"amx_bf16", "amx_int8", "amx_tile"}
     assert isa_from_flags(spr) == "amx"
@@ -44,7 +46,7 @@ def test_cpu_description_names_the_model_class_and_deciding_flags(tmp_path):
     info = tmp_path / "cpuinfo"
     info.write_text("processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Platinum 8480+\n"
                     "flags\t\t: fpu sse2 avx avx2 fma f16c avx512f avx512bw avx512vl "
-                    "avx512_bf16 amx_bf16 amx_int8 amx_tile\n")
+                    "avx512_vnni avx512_bf16 amx_bf16 amx_int8 amx_tile\n")
     line = cpu_description(str(info))
     assert line.startswith("Intel(R) Xeon(R) Platinum 8480+; class amx (")
     assert "amx_tile" in line and "avx512_bf16" in line and "sse2" not in line

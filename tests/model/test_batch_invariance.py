@@ -1,6 +1,7 @@
 """Batch invariance (``EXACT_QUANTIZATION``: int4 linears and an int8 lm_head on the native
-CPU kernels, the native attention; float32 activations by default on this CPU class, bf16 ones
-on the bf16 classes with ``deterministic_inference``): a request's
+CPU kernels, the native attention; this machine's default dtype and linear kernel, the AVX2
+kernels in float32 where the machine has a faster default, and the AMX class's decisions with
+``deterministic_inference``): a request's
 tokens and logprobs are bitwise those it gets alone, whatever else shares its forward passes,
 in what order it arrives, where chunked prefill cuts it, whether decodes ride along with a
 prefill (mixed chunks), and whether its prefix comes from the radix cache or is recomputed."""
@@ -13,18 +14,24 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kernels import cpu as native_kernels
+from kernels.cpu_features import cpu_isa
 from server.engine import Engine
 from tests.helpers import EXACT_QUANTIZATION, assert_no_request_memory
 
 SP = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
 CONFIGS = {
-    # the default on CPUs without native bf16 (this class's dtype pinned to keep it so)
-    "default": {"dtype": "float32", "quantization": EXACT_QUANTIZATION},
+    # what users run on this machine: its class's dtype and linear kernel (AVX2 FMA in
+    # float32, or AVX-512 VNNI on int8 activations in bfloat16 on an AVX512-BF16 CPU)
+    "default": {"quantization": EXACT_QUANTIZATION},
     # a bf16/AMX CPU's decisions (bf16 emulated where the CPU lacks it) with the flag that
     # turns its dense bf16 prefill copies off
     "bf16 class, deterministic": {"cpu_isa": "amx", "quantization": EXACT_QUANTIZATION,
                                   "deterministic_inference": True},
 }
+if native_kernels.linear_kernel(cpu_isa()) not in (None, "avx2"):
+    # the AVX2 kernels too, where the machine's default runs others
+    CONFIGS["avx2 kernels"] = {"cpu_isa": "avx2", "quantization": EXACT_QUANTIZATION}
 
 
 def _prompts() -> list[list[int]]:
@@ -108,3 +115,22 @@ def test_the_bf16_class_default_trades_invariance_for_prefill_speed(make_tiny_mo
                    .generate(input_ids=prompt, sampling_params=SP, return_logprob=True,
                              logprob_start_len=0)) for chunk in (5, 1024)]
     assert got[0] != got[1]
+
+
+@pytest.mark.skipif(not native_kernels.available("avx512_vnni"),
+                    reason=f"VNNI kernels: {native_kernels.unavailable_reason('avx512_vnni')}")
+def test_the_avx512_bf16_class_on_the_vnni_kernel_keeps_no_dense_copies(make_tiny_model):
+    """On an AVX512-BF16 CPU the VNNI kernel outruns the dense bf16 copies at every row count,
+    so the default keeps none: it is batch-invariant, drafts n-grams, and a prompt's logprobs
+    do not depend on where chunked prefill cuts it."""
+    path, _ = make_tiny_model("llama", seed=4)
+    prompt = _prompts()[0]
+    engines = [Engine(path, cpu_isa="avx512_bf16", quantization="int4", context_length=512,
+                      max_total_tokens=2048, chunked_prefill_size=chunk) for chunk in (5, 1024)]
+    report = engines[0].runner.quant_report
+    assert report.native == "avx512_vnni" and report.prefill_copy_bytes == 0
+    assert engines[0].config.model.dtype == "bfloat16" and engines[0].runner.batch_invariant
+    assert engines[0].config.scheduler.speculative_ngram > 0
+    got = [_result(e.generate(input_ids=prompt, sampling_params=SP, return_logprob=True,
+                              logprob_start_len=0)) for e in engines]
+    assert got[0] == got[1]

@@ -147,7 +147,7 @@ def test_default_model_16_prompts_identical_with_and_without_jump_forward():
     off, on = [Engine(dtype="float32", context_length=512, max_total_tokens=8192,
                       cpu_isa="avx2", speculative_ngram=0, disable_jump_forward=d)
                 for d in (True, False)]
-    assert on.runner.quant_report.native or not off.config.model.native_cpu_kernels
+    assert on.runner.quant_report.native or not off.config.model.linear_kernel
     cities = ["Paris", "Tokyo", "Lagos", "Lima", "Oslo", "Cairo", "Delhi", "Quito"]
     schema = {"type": "object", "properties": {
         "city": {"type": "string", "maxLength": 20}, "country": {"type": "string", "maxLength": 20},

@@ -21,7 +21,7 @@ def test_invalid_values(kwargs):
 def test_resolve_auto_values():
     cfg = EngineConfig.from_kwargs(model="x", mem_fraction=0.5)
     r = resolve(cfg, kv_elements_per_token=100, model_context_length=2048,
-                available_bytes=400_000)
+                available_bytes=400_000, cpu_native_bf16=False)
     assert r.model.dtype == "float32" and r.model.context_length == 2048
     assert r.cache.max_total_tokens == 400_000 // 2 // 400
     assert cfg.model.dtype == "auto"  # the original is untouched
@@ -68,7 +68,7 @@ def test_cpu_bf16_probe(tmp_path):
     f = tmp_path / "cpuinfo"
     f.write_text("processor: 0\nflags\t\t: fpu avx2 avx512f\n")
     assert not cpu_has_native_bf16(str(f))
-    f.write_text("flags\t\t: fpu avx2 fma avx512f avx512bw avx512vl avx512_bf16\n")
+    f.write_text("flags\t\t: fpu avx2 fma avx512f avx512bw avx512vl avx512_vnni avx512_bf16\n")
     assert cpu_has_native_bf16(str(f))
     assert not cpu_has_native_bf16(str(tmp_path / "missing"))
 

@@ -1,0 +1,413 @@
+// Weight-quantized linear layers on AVX-512 VNNI integer dot products (sgl_cpu_vnni::*): the
+// activations are quantized per row in blocks of 32 to int8 (scale amax / 127, round to
+// nearest even), and each block's products with the weights are summed exactly in int32 by
+// vpdpbusd (64 byte products per instruction); the block sums are then scaled in float32.
+// This is llama.cpp's Q4_1 x Q8_1 / Q8_0 x Q8_0 scheme (ggml-quants.c, ggml_vec_dot_q4_1_q8_1),
+// laid out for many output features at once: a 16-lane int32 accumulator holds 16 output
+// features (one lane each) of one activation row, fed 4 inputs at a time from a broadcast
+// dword of the activation row, as in oneDNN's / SGLang's VNNI GEMM packing ([K/4][N][4]).
+// So no horizontal sum is needed and the per-block float work (convert, scale, add) is done
+// once per 8 vpdpbusd of 16 features.
+//
+// Math, per activation row x and output feature n (b: block of 32 inputs):
+//   x_k ~ dx_b * qx_k (qx in [-127, 127]),  Sx_b = sum_k qx_k,
+//   int4:  w_k = d_b * q_k + m_b (q in [0, 15]):
+//          y = sum_b [ (d_b * dx_b) * sum_k q_k qx_k + m_b * (dx_b * Sx_b) ]
+//   int8:  w_k = s * (u_k - 128) (u = w + 128 in [1, 255], one scale s per feature):
+//          y = s * sum_b dx_b * (sum_k u_k qx_k - 128 * Sx_b)
+// The integer sums are exact; the float terms are added block by block in k order.
+//
+// Batch invariance: a row's quantization reads only that row, and y[m, n] is one float lane
+// fed by the same operations in the same order whatever M is, which row tile or feature tile
+// it falls in and how the features are split over threads (integer partial sums are exact, so
+// how they are split over accumulators does not matter). A row's result never depends on the
+// other rows of the batch.
+//
+// Packed layouts (one tile = 16 output features; N padded to a multiple of 16 with zeros):
+//   int4: per tile, per block g: 16 fp16 d, 16 fp16 m, then 4 chunks of 64 bytes; in chunk c
+//         byte 4f + j holds q[f][32g + 8c + j] (low nibble) and q[f][32g + 8c + 4 + j] (high
+//         nibble), j = 0..3. 320 bytes per 512 weights (Q4_1's 0.625 bytes per weight).
+//   int8: per tile, per block g: 8 chunks of 64 bytes; in chunk c byte 4f + j holds
+//         u[f][32g + 4c + j] = w + 128.
+//
+// Compiled with -mavx512f -mavx512bw -mavx512vl -mavx512vnni into its own library
+// (kernels/cpu/build.py), which kernels/cpu/__init__.py loads only on a CPU that has them.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstring>
+#include <type_traits>
+
+namespace sgl_cpu_vnni {
+namespace {
+
+constexpr int64_t QK = 32;          // inputs per block
+constexpr int64_t TILE = 16;        // output features per tile (one zmm of int32 lanes)
+constexpr int64_t Q4_BLOCK = 320;   // bytes per (tile, block), int4
+constexpr int64_t Q8_BLOCK = 512;   // bytes per (tile, block), int8
+constexpr int64_t MAX_MT = 4;       // activation rows per register tile
+constexpr int64_t MB = 64;          // activation rows per cache block (a multiple of MAX_MT)
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+// round-to-nearest-even, as c10::BFloat16 (NaN stays NaN)
+inline void store16(c10::BFloat16* p, __m512 v) {
+  alignas(64) float buf[16];
+  _mm512_store_ps(buf, v);
+  for (int i = 0; i < 16; ++i) p[i] = static_cast<c10::BFloat16>(buf[i]);
+}
+template <typename T>
+inline void store_n(T* p, __m512 v, int64_t n) {
+  alignas(64) float buf[16];
+  _mm512_store_ps(buf, v);
+  for (int64_t i = 0; i < n; ++i) p[i] = static_cast<T>(buf[i]);
+}
+
+inline __m512i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// Quantized activations of M rows: qx [M, K] int8, dx [M, G] scales, sx [M, G] block sums,
+// cx [M, G] = dx * sx (the int4 offset term's factor).
+struct QuantizedRows {
+  at::Tensor qx, dx, sx, cx;
+};
+
+template <typename T>
+QuantizedRows quantize_rows(const T* x, int64_t M, int64_t K) {
+  const int64_t G = K / QK;
+  QuantizedRows r{at::empty({M, K}, at::kChar), at::empty({M, G}, at::kFloat),
+                  at::empty({M, G}, at::kInt), at::empty({M, G}, at::kFloat)};
+  int8_t* qp = r.qx.data_ptr<int8_t>();
+  float* dp = r.dx.data_ptr<float>();
+  int32_t* sp = r.sx.data_ptr<int32_t>();
+  float* cp = r.cx.data_ptr<float>();
+  at::parallel_for(0, M, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t m = lo; m < hi; ++m) {
+      for (int64_t g = 0; g < G; ++g) {
+        const T* xb = x + m * K + g * QK;
+        const __m512 a = load16(xb), b = load16(xb + 16);
+        const float amax = _mm512_reduce_max_ps(
+            _mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+        const float d = amax / 127.0f;
+        const __m512 id = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        const __m512i lim = _mm512_set1_epi32(127);
+        // x * id is within [-127, 127] up to rounding: clamp before the narrowing pack
+        __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, id));
+        __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, id));
+        qa = _mm512_max_epi32(_mm512_min_epi32(qa, lim), _mm512_sub_epi32(_mm512_setzero_si512(), lim));
+        qb = _mm512_max_epi32(_mm512_min_epi32(qb, lim), _mm512_sub_epi32(_mm512_setzero_si512(), lim));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(qp + m * K + g * QK), _mm512_cvtepi32_epi8(qa));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(qp + m * K + g * QK + 16), _mm512_cvtepi32_epi8(qb));
+        const int32_t s = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+        dp[m * G + g] = d;
+        sp[m * G + g] = s;
+        cp[m * G + g] = d * static_cast<float>(s);
+      }
+    }
+  });
+  return r;
+}
+
+// y[m0 .. m0+MT, 16 NT features] for int4 tiles at w (tile i at w + i * tile_bytes).
+template <int NT, int MT, typename T>
+inline void q4_tile(const uint8_t* w, int64_t tile_bytes, int64_t G, const int8_t* qx,
+                    const float* dx, const float* cx, int64_t K, T* y, int64_t ldy,
+                    int64_t n_valid) {
+  __m512 facc[NT][MT];
+  for (int i = 0; i < NT; ++i)
+    for (int r = 0; r < MT; ++r) facc[i][r] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int64_t g = 0; g < G; ++g) {
+    __m512i lo_acc[NT][MT], hi_acc[NT][MT];
+    for (int i = 0; i < NT; ++i)
+      for (int r = 0; r < MT; ++r) lo_acc[i][r] = hi_acc[i][r] = _mm512_setzero_si512();
+    for (int c = 0; c < 4; ++c) {
+      __m512i lo[NT], hi[NT];
+      for (int i = 0; i < NT; ++i) {
+        const __m512i v = _mm512_loadu_si512(w + i * tile_bytes + g * Q4_BLOCK + 64 + 64 * c);
+        lo[i] = _mm512_and_si512(v, low);
+        hi[i] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      }
+      for (int r = 0; r < MT; ++r) {
+        const int8_t* xr = qx + r * K + g * QK + 8 * c;
+        const __m512i xa = bcast4(xr), xb = bcast4(xr + 4);
+        for (int i = 0; i < NT; ++i) {
+          lo_acc[i][r] = _mm512_dpbusd_epi32(lo_acc[i][r], lo[i], xa);
+          hi_acc[i][r] = _mm512_dpbusd_epi32(hi_acc[i][r], hi[i], xb);
+        }
+      }
+    }
+    for (int i = 0; i < NT; ++i) {
+      const uint8_t* b = w + i * tile_bytes + g * Q4_BLOCK;
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)));
+      const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32)));
+      for (int r = 0; r < MT; ++r) {
+        const __m512 isum = _mm512_cvtepi32_ps(_mm512_add_epi32(lo_acc[i][r], hi_acc[i][r]));
+        facc[i][r] = _mm512_fmadd_ps(isum, _mm512_mul_ps(d, _mm512_set1_ps(dx[r * G + g])),
+                                     facc[i][r]);
+        facc[i][r] = _mm512_fmadd_ps(m, _mm512_set1_ps(cx[r * G + g]), facc[i][r]);
+      }
+    }
+  }
+  for (int r = 0; r < MT; ++r)
+    for (int i = 0; i < NT; ++i) {
+      const int64_t n = std::min<int64_t>(TILE, n_valid - i * TILE);
+      if (n == TILE) store16(y + r * ldy + i * TILE, facc[i][r]);
+      else if (n > 0) store_n(y + r * ldy + i * TILE, facc[i][r], n);
+    }
+}
+
+template <int NT, int MT, typename T>
+inline void q8_tile(const uint8_t* w, int64_t tile_bytes, int64_t G, const int8_t* qx,
+                    const float* dx, const int32_t* sx, int64_t K, const float* scale, T* y,
+                    int64_t ldy, int64_t n_valid) {
+  __m512 facc[NT][MT];
+  for (int i = 0; i < NT; ++i)
+    for (int r = 0; r < MT; ++r) facc[i][r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m512i acc0[NT][MT], acc1[NT][MT];
+    for (int i = 0; i < NT; ++i)
+      for (int r = 0; r < MT; ++r) acc0[i][r] = acc1[i][r] = _mm512_setzero_si512();
+    for (int c = 0; c < 8; c += 2) {
+      __m512i u0[NT], u1[NT];
+      for (int i = 0; i < NT; ++i) {
+        const uint8_t* b = w + i * tile_bytes + g * Q8_BLOCK + 64 * c;
+        u0[i] = _mm512_loadu_si512(b);
+        u1[i] = _mm512_loadu_si512(b + 64);
+      }
+      for (int r = 0; r < MT; ++r) {
+        const int8_t* xr = qx + r * K + g * QK + 4 * c;
+        const __m512i xa = bcast4(xr), xb = bcast4(xr + 4);
+        for (int i = 0; i < NT; ++i) {
+          acc0[i][r] = _mm512_dpbusd_epi32(acc0[i][r], u0[i], xa);
+          acc1[i][r] = _mm512_dpbusd_epi32(acc1[i][r], u1[i], xb);
+        }
+      }
+    }
+    for (int r = 0; r < MT; ++r) {
+      const __m512i corr = _mm512_set1_epi32(128 * sx[r * G + g]);
+      const __m512 d = _mm512_set1_ps(dx[r * G + g]);
+      for (int i = 0; i < NT; ++i) {
+        const __m512i isum = _mm512_sub_epi32(_mm512_add_epi32(acc0[i][r], acc1[i][r]), corr);
+        facc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), d, facc[i][r]);
+      }
+    }
+  }
+  for (int i = 0; i < NT; ++i) {
+    const int64_t n = std::min<int64_t>(TILE, n_valid - i * TILE);
+    if (n <= 0) continue;
+    __m512 s;
+    if (n == TILE) s = _mm512_loadu_ps(scale + i * TILE);
+    else s = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), scale + i * TILE);
+    for (int r = 0; r < MT; ++r) {
+      const __m512 v = _mm512_mul_ps(facc[i][r], s);
+      if (n == TILE) store16(y + r * ldy + i * TILE, v);
+      else store_n(y + r * ldy + i * TILE, v, n);
+    }
+  }
+}
+
+// Calls f.template operator()<NT, MT>() for runtime nt (1, 2 or 4) and mt (1..MAX_MT).
+template <typename F>
+inline void with_tile(int64_t nt, int64_t mt, F&& f) {
+  auto by_mt = [&](auto ntile) {
+    constexpr int NTI = decltype(ntile)::value;
+    switch (mt) {
+      case 1: f.template operator()<NTI, 1>(); break;
+      case 2: f.template operator()<NTI, 2>(); break;
+      case 3: f.template operator()<NTI, 3>(); break;
+      default: f.template operator()<NTI, 4>(); break;
+    }
+  };
+  if (nt == 4) by_mt(std::integral_constant<int, 4>{});
+  else if (nt == 2) by_mt(std::integral_constant<int, 2>{});
+  else by_mt(std::integral_constant<int, 1>{});
+}
+
+// Runs tile(t0, nt, m0, mt) over [0, tiles) x [0, M): feature tiles split over threads in
+// contiguous ranges, each range walked in groups of `group` tiles (fewer at its end), rows in
+// cache blocks of MB and register tiles of MAX_MT.
+template <typename Tile>
+void for_tiles(int64_t tiles, int64_t M, Tile tile) {
+  const int64_t group = M == 1 ? 4 : 2;
+  at::parallel_for(0, tiles, group, [&](int64_t lo, int64_t hi) {
+    for (int64_t m0 = 0; m0 < M; m0 += MB) {
+      const int64_t m1 = std::min(M, m0 + MB);
+      for (int64_t t = lo; t < hi;) {
+        const int64_t nt = hi - t >= group ? group : (hi - t >= 2 ? 2 : 1);
+        for (int64_t m = m0; m < m1; m += MAX_MT) tile(t, nt, m, std::min(MAX_MT, m1 - m));
+        t += nt;
+      }
+    }
+  });
+}
+
+void check_x(const at::Tensor& x, int64_t K) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x must be [M, ", K, "], got ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "x must be float32 or bfloat16, got ", x.scalar_type());
+  TORCH_CHECK(x.device().is_cpu() && x.is_contiguous(), "x must be a contiguous CPU tensor");
+  TORCH_CHECK(K % QK == 0, "in_features must be a multiple of ", QK, ", got ", K);
+}
+
+inline uint16_t float_to_half(float f) { return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT); }
+
+}  // namespace
+
+// q [N, K] uint8 in [0, 15], scale/zero [N, K / 32] float32 with w = (q - 8) * scale + zero
+// -> [ceil(N / 16), K / 32 * 320] uint8 (the int4 layout above; d = fp16(scale),
+// m = fp16(zero - 8 * scale), as sgl_cpu::pack_int4).
+at::Tensor pack_int4(const at::Tensor& q, const at::Tensor& scale, const at::Tensor& zero) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte, "q must be [N, K] uint8");
+  const int64_t N = q.size(0), K = q.size(1), G = K / QK, tiles = (N + TILE - 1) / TILE;
+  TORCH_CHECK(K % QK == 0, "K must be a multiple of ", QK);
+  TORCH_CHECK(scale.sizes() == zero.sizes() && scale.size(0) == N && scale.size(1) == G,
+              "scale and zero must be [N, K / 32]");
+  auto qc = q.contiguous();
+  auto sc = scale.to(at::kFloat).contiguous();
+  auto zc = zero.to(at::kFloat).contiguous();
+  auto out = at::zeros({tiles, G * Q4_BLOCK}, q.options());
+  const uint8_t* qp = qc.data_ptr<uint8_t>();
+  const float* sp = sc.data_ptr<float>();
+  const float* zp = zc.data_ptr<float>();
+  uint8_t* op = out.data_ptr<uint8_t>();
+  at::parallel_for(0, tiles, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      for (int64_t g = 0; g < G; ++g) {
+        uint8_t* b = op + (t * G + g) * Q4_BLOCK;
+        for (int64_t f = 0; f < TILE && t * TILE + f < N; ++f) {
+          const int64_t n = t * TILE + f;
+          const float d = sp[n * G + g];
+          const uint16_t hd = float_to_half(d), hm = float_to_half(zp[n * G + g] - 8.0f * d);
+          std::memcpy(b + 2 * f, &hd, 2);
+          std::memcpy(b + 32 + 2 * f, &hm, 2);
+          const uint8_t* src = qp + n * K + g * QK;
+          for (int c = 0; c < 4; ++c)
+            for (int j = 0; j < 4; ++j)
+              b[64 + 64 * c + 4 * f + j] =
+                  (src[8 * c + j] & 0x0F) | ((src[8 * c + 4 + j] & 0x0F) << 4);
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// w [N, K] int8 -> [ceil(N / 16), K / 32 * 512] uint8 (the int8 layout above, u = w + 128).
+at::Tensor pack_int8(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar, "w must be [N, K] int8");
+  const int64_t N = w.size(0), K = w.size(1), G = K / QK, tiles = (N + TILE - 1) / TILE;
+  TORCH_CHECK(K % QK == 0, "K must be a multiple of ", QK);
+  auto wc = w.contiguous();
+  auto out = at::full({tiles, G * Q8_BLOCK}, 128, w.options().dtype(at::kByte));
+  const int8_t* wp = wc.data_ptr<int8_t>();
+  uint8_t* op = out.data_ptr<uint8_t>();
+  at::parallel_for(0, tiles, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t)
+      for (int64_t g = 0; g < G; ++g) {
+        uint8_t* b = op + (t * G + g) * Q8_BLOCK;
+        for (int64_t f = 0; f < TILE && t * TILE + f < N; ++f) {
+          const int8_t* src = wp + (t * TILE + f) * K + g * QK;
+          for (int c = 0; c < 8; ++c)
+            for (int j = 0; j < 4; ++j)
+              b[64 * c + 4 * f + j] = static_cast<uint8_t>(src[4 * c + j] + 128);
+        }
+      }
+  });
+  return out;
+}
+
+// x [M, K] float32/bfloat16, packed from pack_int4 -> y [M, N] in x's dtype.
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
+  const int64_t K = x.size(1), G = K / QK, M = x.size(0), tiles = (N + TILE - 1) / TILE;
+  check_x(x, K);
+  TORCH_CHECK(packed.dim() == 2 && packed.size(0) == tiles &&
+              packed.size(1) == G * Q4_BLOCK && packed.is_contiguous() &&
+              packed.scalar_type() == at::kByte,
+              "packed must be a contiguous [", tiles, ", ", G * Q4_BLOCK,
+              "] uint8 tensor (sgl_cpu_vnni.pack_int4 of a [N, K] weight)");
+  auto y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  const int64_t tile_bytes = G * Q4_BLOCK;
+  auto run = [&](auto* xp, auto* yp) {
+    using T = std::remove_pointer_t<decltype(xp)>;
+    const QuantizedRows q = quantize_rows(xp, M, K);
+    const int8_t* qx = q.qx.data_ptr<int8_t>();
+    const float* dx = q.dx.data_ptr<float>();
+    const float* cx = q.cx.data_ptr<float>();
+    for_tiles(tiles, M, [&](int64_t t, int64_t nt, int64_t m0, int64_t mt) {
+      with_tile(nt, mt, [&]<int NTI, int MTI>() {
+        q4_tile<NTI, MTI, T>(w + t * tile_bytes, tile_bytes, G, qx + m0 * K, dx + m0 * G,
+                             cx + m0 * G, K, yp + m0 * N + t * TILE, N, N - t * TILE);
+      });
+    });
+  };
+  if (x.scalar_type() == at::kFloat) run(x.data_ptr<float>(), y.data_ptr<float>());
+  else run(x.data_ptr<c10::BFloat16>(), y.data_ptr<c10::BFloat16>());
+  return y;
+}
+
+// x [M, K] float32/bfloat16, packed from pack_int8 of w [N, K], scale [N] float32 -> y [M, N]
+// in x's dtype (y = x @ (w * scale[:, None]).T).
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale) {
+  const int64_t K = x.size(1), G = K / QK, M = x.size(0);
+  check_x(x, K);
+  const int64_t N = scale.numel(), tiles = (N + TILE - 1) / TILE;
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous(),
+              "scale must be a contiguous [N] float32 tensor");
+  TORCH_CHECK(packed.dim() == 2 && packed.size(0) == tiles &&
+              packed.size(1) == G * Q8_BLOCK && packed.is_contiguous() &&
+              packed.scalar_type() == at::kByte,
+              "packed must be a contiguous [", tiles, ", ", G * Q8_BLOCK,
+              "] uint8 tensor (sgl_cpu_vnni.pack_int8 of a [N, K] weight)");
+  auto y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  const float* sp = scale.data_ptr<float>();
+  const int64_t tile_bytes = G * Q8_BLOCK;
+  auto run = [&](auto* xp, auto* yp) {
+    using T = std::remove_pointer_t<decltype(xp)>;
+    const QuantizedRows q = quantize_rows(xp, M, K);
+    const int8_t* qx = q.qx.data_ptr<int8_t>();
+    const float* dx = q.dx.data_ptr<float>();
+    const int32_t* sx = q.sx.data_ptr<int32_t>();
+    for_tiles(tiles, M, [&](int64_t t, int64_t nt, int64_t m0, int64_t mt) {
+      with_tile(nt, mt, [&]<int NTI, int MTI>() {
+        q8_tile<NTI, MTI, T>(w + t * tile_bytes, tile_bytes, G, qx + m0 * K, dx + m0 * G,
+                             sx + m0 * G, K, sp + t * TILE, yp + m0 * N + t * TILE, N,
+                             N - t * TILE);
+      });
+    });
+  };
+  if (x.scalar_type() == at::kFloat) run(x.data_ptr<float>(), y.data_ptr<float>());
+  else run(x.data_ptr<c10::BFloat16>(), y.data_ptr<c10::BFloat16>());
+  return y;
+}
+
+}  // namespace sgl_cpu_vnni
+
+TORCH_LIBRARY(sgl_cpu_vnni, m) {
+  m.def("pack_int4(Tensor q, Tensor scale, Tensor zero) -> Tensor");
+  m.def("pack_int8(Tensor w) -> Tensor");
+  m.def("int4_linear(Tensor x, Tensor packed, int N) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor packed, Tensor scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(sgl_cpu_vnni, CPU, m) {
+  m.impl("pack_int4", &sgl_cpu_vnni::pack_int4);
+  m.impl("pack_int8", &sgl_cpu_vnni::pack_int8);
+  m.impl("int4_linear", &sgl_cpu_vnni::int4_linear);
+  m.impl("int8_linear", &sgl_cpu_vnni::int8_linear);
+}
