@@ -128,6 +128,16 @@ def vnni_pack_int8(w: torch.Tensor) -> torch.Tensor:
     return torch.ops.sgl_cpu_vnni.pack_int8(w)
 
 
+def vnni_int8_rows(packed: torch.Tensor, ids: torch.Tensor, in_features: int) -> torch.Tensor:
+    """Rows ``ids`` [T] int64 of the int8 weight [N, K] that :func:`vnni_pack_int8` packed
+    into ``packed``, as [T, K] int8 (an embedding lookup from a tied lm_head's layout: chunk c
+    of block g of tile n // 16 holds the row's inputs 32g + 4c .. 32g + 4c + 3 at bytes
+    4 (n % 16) ..., each stored as w + 128)."""
+    tiles = packed.view(packed.shape[0], in_features // BLOCK, 8, 16, 4)
+    rows = tiles[ids // 16, :, :, ids % 16, :].reshape(ids.numel(), in_features)
+    return (rows ^ 0x80).view(torch.int8)
+
+
 def vnni_int4_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
     """x [M, K] float32/bfloat16 (contiguous, K % 32 == 0) @ the packed weight [N, K]
     transposed -> [M, N] in x's dtype. x is quantized per row in blocks of 32 to int8

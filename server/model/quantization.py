@@ -314,9 +314,9 @@ class QuantEmbedding(nn.Module):
     """A token embedding [V, H] kept quantized; rows are dequantized on lookup.
 
     ``forward(ids [T] int64) -> [T, H]`` in ``dtype``. For tied embeddings, :attr:`as_linear`
-    is the lm_head ``QuantLinear`` over the same weight (int8 shares the tensor; int4, and int8
-    on the "avx512_vnni" kernel, keep a second, packed copy because the packed layouts cannot
-    be indexed by row).
+    is the lm_head ``QuantLinear`` over the same weight (int8 shares the tensor, or on the
+    "avx512_vnni" kernel reads its rows from the head's packed layout; int4 keeps a second,
+    packed copy because that packed layout cannot be indexed by row).
     """
 
     def __init__(self, weight: QuantizedWeight, dtype: torch.dtype, tied: bool,
@@ -328,24 +328,31 @@ class QuantEmbedding(nn.Module):
             q = weight.q.view(v, h // 2, 2)
             self.register_buffer("q", (q[..., 0] | (q[..., 1] << 4)).contiguous(), persistent=False)
             self.register_buffer("zero", weight.zero.contiguous(), persistent=False)
+        elif tied and native == "avx512_vnni":  # rows are read from the head's VNNI layout
+            self.q = self.zero = None
         else:
             self.register_buffer("q", weight.q.contiguous(), persistent=False)
             self.zero = None
         self.register_buffer("scale", weight.scale.contiguous(), persistent=False)
         self.as_linear = QuantLinear(weight, native=native) if tied else None
-        if self.as_linear is not None and weight.kind == "int8" and native != "avx512_vnni":
-            self.as_linear.packed = self.q  # the same int8 tensor (the VNNI kernel repacks it)
+        if self.as_linear is not None and self.q is not None and weight.kind == "int8":
+            self.as_linear.packed = self.q  # the same int8 tensor
 
     def _apply(self, fn, recurse=True):
         # as QuantLinear: follow device moves, never dtype casts of the scales
         keep = {n: getattr(self, n) for n in ("q", "scale", "zero")}
         out = super()._apply(fn, recurse)
         for n, t in keep.items():
-            setattr(self, n, None if t is None else t.to(self.q.device))
+            setattr(self, n, None if t is None else t.to(self.scale.device))
         return out
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        q = self.q.index_select(0, ids)
+        if self.q is None:
+            from kernels.cpu import vnni_int8_rows
+
+            q = vnni_int8_rows(self.as_linear.packed, ids, self.as_linear.in_features)
+        else:
+            q = self.q.index_select(0, ids)
         if self.kind == "int8":
             return (q.float() * self.scale.index_select(0, ids)[:, None]).to(self.dtype)
         t = ids.numel()

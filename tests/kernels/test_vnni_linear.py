@@ -139,3 +139,17 @@ def test_quant_linear_on_the_vnni_kernel(kind):
     for dtype in (torch.bfloat16, torch.float16):
         assert layer(x.to(dtype)).dtype == dtype
     assert "native=avx512_vnni" in layer.extra_repr()
+
+
+def test_a_tied_int8_embedding_reads_its_rows_from_the_heads_vnni_layout():
+    """One copy of a tied int8 weight: the lookup gathers rows out of the packed head and
+    gives the values of the plain int8 embedding."""
+    from server.model.quantization import QuantEmbedding
+
+    torch.manual_seed(2)
+    q8 = quantize_int8(torch.randn(70, 96))
+    vnni = QuantEmbedding(q8, torch.float32, tied=True, native="avx512_vnni")
+    plain = QuantEmbedding(q8, torch.float32, tied=True, native=None)
+    ids = torch.tensor([0, 5, 69, 17, 16, 5, 64])
+    assert vnni.q is None and torch.equal(vnni(ids), plain(ids))
+    assert torch.equal(native.vnni_int8_rows(vnni.as_linear.packed, ids, 96), q8.q[ids])

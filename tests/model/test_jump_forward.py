@@ -78,8 +78,8 @@ def test_forced_runs_take_fewer_forward_passes(make_tiny_model):
 
 def test_drafts_are_dropped_where_measured_costs_say_the_verify_pass_loses(make_tiny_model):
     """The gate (server.scheduler.draft_cost) fed pass costs under which any wider pass loses:
-    it verifies almost no drafts (one refusal in EXPLORE_EVERY still re-measures), takes more
-    passes than an ungated engine, and the outputs stay those of plain decoding."""
+    it verifies almost no drafts (one refusal in EXPLORE_EVERY still re-measures), takes no
+    fewer passes than an ungated engine, and the outputs stay those of plain decoding."""
     from server.scheduler.draft_cost import EXPLORE_EVERY
 
     path, _ = make_tiny_model("llama", seed=11)
@@ -97,7 +97,10 @@ def test_drafts_are_dropped_where_measured_costs_say_the_verify_pass_loses(make_
     assert gate.dropped > 0 and gate.kept <= gate.dropped // (EXPLORE_EVERY - 1) + 1
     assert gated.metrics()["drafts_dropped"] == gate.dropped
     passes = [e.metrics()["forward_passes"] for e in (off, on, gated)]
-    assert passes[1] < passes[2] <= passes[0]
+    # How many passes the kept drafts save depends on what the random model accepts (the
+    # gate's explore drafts may be the only accepted ones); what it verifies does not.
+    assert gated.metrics()["draft_tokens"] < on.metrics()["draft_tokens"]
+    assert passes[1] <= passes[2] <= passes[0]
 
 
 def test_draft_round_trips_and_restores_the_matcher(engines):
