@@ -6,10 +6,15 @@ second against a large dense matmul, for the shapes of a model at several row co
     python -m benchmarks.cpu_linear --shapes 2048x2048,2048x16384,8192x2048 --rows 1,16,512
 
 Each shape is [K, N] (in_features x out_features) as int4 (the packed Q4_1 layout), then the
-default model's int8 lm_head [576, 49152] unless ``--no-lm-head``. Per cell: milliseconds a
-call (median of ``--reps``), GB/s of packed weight read, and GFLOP/s. The machine's CPU class
-is printed first. Weights are cache-resident when they fit (the same ones every call), so a
-model's real decode, which streams every layer's weights from memory, runs slower.
+default model's int8 lm_head [576, 49152] unless ``--no-lm-head``. Every linear kernel this
+machine runs (``--kernels``, default all: "avx2", "avx512_vnni") and oneDNN's dense bf16
+matmul of the dequantized weight (``F.linear``, the dense prefill copies' path) are timed on the
+same inputs. Per cell: milliseconds a call (median of ``--reps``), GB/s of packed weight read,
+and GFLOP/s. The limits printed first: the copy bandwidth, dense fp32 and bf16 2048^3 matmuls
+(oneDNN; the bf16 one is "the matrix units' peak" where the CPU has bf16 dot products). The
+machine's CPU class is printed first. Weights are cache-resident when they fit (the same ones
+every call), so a model's real decode, which streams every layer's weights from memory, runs
+slower.
 """
 
 from __future__ import annotations
@@ -19,10 +24,11 @@ import statistics
 import time
 
 import torch
+import torch.nn.functional as F
 
 from benchmarks.common import copy_bandwidth
 from kernels import cpu as native
-from kernels.cpu_features import cpu_description
+from kernels.cpu_features import cpu_description, native_bf16
 from server.model.quantization import quantize_int4, quantize_int8
 
 # SmolLM2-135M: fused QKV, O, fused gate/up, down; the tied lm_head is int8
@@ -46,47 +52,67 @@ def dense_gflops(n: int = 2048, dtype=torch.float32, reps: int = 5) -> float:
     return 2 * n ** 3 / _median_ms(lambda: a @ b, reps) / 1e6
 
 
+def _kernel_calls(kernel: str, kind: str, qw) -> tuple:
+    """(call(x) -> y, bytes of the packed weight) of one linear kernel."""
+    n = qw.shape[0]
+    if kernel == "avx2" and kind == "int4":
+        packed = native.pack_int4(qw.q, qw.scale, qw.zero)
+        return (lambda x: native.int4_linear(x, packed, n)), packed.nbytes
+    if kernel == "avx2":
+        q, s = qw.q.contiguous(), qw.scale.float().contiguous()
+        return (lambda x: native.int8_linear(x, q, s)), q.nbytes + s.nbytes
+    if kind == "int4":
+        packed = native.vnni_pack_int4(qw.q, qw.scale, qw.zero)
+        return (lambda x: native.vnni_int4_linear(x, packed, n)), packed.nbytes
+    packed, s = native.vnni_pack_int8(qw.q), qw.scale.float().contiguous()
+    return (lambda x: native.vnni_int8_linear(x, packed, s)), packed.nbytes + s.nbytes
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default=DEFAULT_SHAPES, help="KxN,... (in x out features)")
     ap.add_argument("--rows", default="1,4,16,64,256")
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--dtype", default="bfloat16" if native_bf16() else "float32",
+                    choices=["float32", "bfloat16"], help="activations (default: this CPU "
+                    "class's compute dtype)")
+    ap.add_argument("--kernels", default=",".join(native.LINEAR_KERNELS),
+                    help="linear kernels to time (those the machine cannot run are skipped)")
+    ap.add_argument("--no-dense", action="store_true", help="skip oneDNN's dense bf16 matmul")
     ap.add_argument("--no-lm-head", action="store_true", help="skip the int8 576x49152 head")
     args = ap.parse_args(argv)
     native.require()
+    kernels = [k for k in args.kernels.split(",") if native.available(k)]
     dtype = getattr(torch, args.dtype)
     rows = [int(r) for r in args.rows.split(",")]
     print(f"CPU: {cpu_description()}; torch threads: {torch.get_num_threads()}")
+    print(f"kernels: {', '.join(kernels)}; activations {args.dtype}")
     bw, peak = copy_bandwidth("cpu"), dense_gflops()
-    print(f"copy bandwidth {bw:.1f} GB/s; dense fp32 matmul 2048^3 {peak:.0f} GFLOP/s\n")
-    cases = []
-    for spec in args.shapes.split(","):
-        k, n = (int(v) for v in spec.split("x"))
-        cases.append(("int4", k, n))
+    peak_bf16 = dense_gflops(dtype=torch.bfloat16)
+    print(f"copy bandwidth {bw:.1f} GB/s; dense 2048^3 matmul: fp32 {peak:.0f} GFLOP/s, "
+          f"bf16 {peak_bf16:.0f} GFLOP/s\n")
+    cases = [("int4", *(int(v) for v in spec.split("x"))) for spec in args.shapes.split(",")]
     if not args.no_lm_head:
         cases.append(("int8", *LM_HEAD))
-    print("| kind | K x N | rows | ms | weight GB/s | share of copy bw | GFLOP/s |")
-    print("|---|---|---|---|---|---|---|")
+    print("| kind | K x N | kernel | rows | ms | weight GB/s | share of copy bw | GFLOP/s | "
+          "share of bf16 peak |")
+    print("|---|---|---|---|---|---|---|---|---|")
     torch.manual_seed(0)
     for kind, k, n in cases:
         w = torch.randn(n, k)
-        if kind == "int4":
-            qw = quantize_int4(w)
-            packed = native.pack_int4(qw.q, qw.scale, qw.zero)
-            call = lambda x: native.int4_linear(x, packed, n)  # noqa: E731
-            nbytes = packed.nbytes
-        else:
-            qw = quantize_int8(w)
-            q, s = qw.q.contiguous(), qw.scale.float().contiguous()
-            call = lambda x: native.int8_linear(x, q, s)  # noqa: E731
-            nbytes = q.nbytes + s.nbytes
+        qw = quantize_int4(w) if kind == "int4" else quantize_int8(w)
+        calls = [(kernel, *_kernel_calls(kernel, kind, qw)) for kernel in kernels]
+        if not args.no_dense:
+            dense = qw.dequantize().to(torch.bfloat16)
+            calls.append(("oneDNN bf16 dense", lambda x: F.linear(x.to(torch.bfloat16), dense),
+                          dense.nbytes))
         for m in rows:
             x = torch.randn(m, k).to(dtype)
-            ms = _median_ms(lambda: call(x), args.reps)
-            gbps = nbytes / ms / 1e6
-            print(f"| {kind} | {k} x {n} | {m} | {ms:.3f} | {gbps:.1f} | {gbps / bw:.0%} | "
-                  f"{2 * m * k * n / ms / 1e6:.0f} |")
+            for name, call, nbytes in calls:
+                ms = _median_ms(lambda: call(x), args.reps)
+                gbps, gflops = nbytes / ms / 1e6, 2 * m * k * n / ms / 1e6
+                print(f"| {kind} | {k} x {n} | {name} | {m} | {ms:.3f} | {gbps:.1f} | "
+                      f"{gbps / bw:.0%} | {gflops:.0f} | {gflops / peak_bf16:.0%} |")
     return 0
 
 

@@ -153,7 +153,8 @@ def long_context(args, device: str, texts: list[str]) -> None:
     for kv_dtype in args.kv_cache_dtypes.split(","):
         engine = Engine(args.model, device=device, kv_cache_dtype=kv_dtype,
                         max_total_tokens=max(32768, 2 * max(lengths)),
-                        context_length=max(lengths) + args.new_tokens + 8)
+                        context_length=max(lengths) + args.new_tokens + 8,
+                        speculative_ngram=0)
         joined = "\n\n".join(texts)
         while len(engine.encode(joined)) < max(lengths):
             joined += "\n\n" + joined
@@ -223,7 +224,8 @@ def main() -> None:
                                   for d in args.dtypes.split(",") for g in graphs]:
         engine = Engine(args.model, dtype=dtype, device=device, attention_backend=backend,
                         max_total_tokens=max(32768, top * (128 + args.new_tokens + 8)),
-                        max_running_requests=max(128, top), disable_cuda_graph=graph == "off")
+                        max_running_requests=max(128, top), disable_cuda_graph=graph == "off",
+                        speculative_ngram=0)  # one token per decode step: the step rate
         long_prompts = make_prompts(engine, texts[:8], 512)
         short = make_prompts(engine, texts, 128, top)
         # warm-up: a short and a long prefill and decode (kernels compile on first use)
@@ -262,7 +264,7 @@ def main() -> None:
         long_context(args, device, texts)
     if cuda:
         return
-    engine = Engine(args.model, max_total_tokens=32768, device=device)
+    engine = Engine(args.model, max_total_tokens=32768, device=device, speculative_ngram=0)
     for b in sorted({batches[0], top}):
         prof = profile_decode_step(engine, make_prompts(engine, texts, 128, b))
         print(f"\nOne decode step, batch {b}, 128-token prompts, dtype "

@@ -11,9 +11,16 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include <ATen/Dispatch.h>
+
 #include <cmath>
 
 #include "vec.h"
+
+// float32 and bfloat16 only (the vector loads and stores of vec.h)
+#define SGL_DISPATCH_FLOAT_BF16(TYPE, NAME, ...)                     \
+  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) \
+                     AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
 
 namespace sgl_cpu {
 namespace {
@@ -23,11 +30,22 @@ inline float f(T v) { return static_cast<float>(v); }
 
 template <typename T>
 void norm_row(const T* x, const T* w, int64_t H, float eps, T* y) {
-  float ss = 0.0f;
-  for (int64_t i = 0; i < H; ++i) ss += f(x[i]) * f(x[i]);
+  // sum of squares: 8 lanes fed in order, then summed in one fixed order (hsum); a row's
+  // result never depends on the batch
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= H; i += 8) {
+    const __m256 v = load8(x + i);
+    acc = _mm256_fmadd_ps(v, v, acc);
+  }
+  float ss = hsum(acc);
+  for (; i < H; ++i) ss += f(x[i]) * f(x[i]);
   const float inv = 1.0f / std::sqrt(ss / static_cast<float>(H) + eps);
   // HF: weight * (x * rsqrt(mean(x^2) + eps)).to(dtype): normalized value rounded to T first
-  for (int64_t i = 0; i < H; ++i) y[i] = static_cast<T>(f(w[i]) * f(static_cast<T>(f(x[i]) * inv)));
+  const __m256 vinv = _mm256_set1_ps(inv);
+  for (i = 0; i + 8 <= H; i += 8)
+    store8(y + i, _mm256_mul_ps(load8(w + i), round_to<T>(_mm256_mul_ps(load8(x + i), vinv))));
+  for (; i < H; ++i) y[i] = static_cast<T>(f(w[i]) * f(static_cast<T>(f(x[i]) * inv)));
 }
 
 void check_rows(const at::Tensor& x, const at::Tensor& w) {
@@ -45,7 +63,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   auto y = at::empty_like(x);
   const int64_t T = x.size(0), H = x.size(1);
   const auto wc = w.contiguous();
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rms_norm", [&] {
+  SGL_DISPATCH_FLOAT_BF16(x.scalar_type(), "rms_norm", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     scalar_t* yp = y.data_ptr<scalar_t>();
     at::parallel_for(0, T, 64, [&](int64_t lo, int64_t hi) {
@@ -64,14 +82,16 @@ at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Ten
   auto y = at::empty_like(x);
   const int64_t T = x.size(0), H = x.size(1);
   const auto wc = w.contiguous();
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "add_rms_norm", [&] {
+  SGL_DISPATCH_FLOAT_BF16(x.scalar_type(), "add_rms_norm", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     scalar_t* rp = residual.data_ptr<scalar_t>();
     scalar_t* yp = y.data_ptr<scalar_t>();
     at::parallel_for(0, T, 64, [&](int64_t lo, int64_t hi) {
       for (int64_t t = lo; t < hi; ++t) {
         scalar_t* r = rp + t * H;
-        for (int64_t i = 0; i < H; ++i) r[i] = static_cast<scalar_t>(f(r[i]) + f(xp[t * H + i]));
+        int64_t i = 0;
+        for (; i + 8 <= H; i += 8) store8(r + i, _mm256_add_ps(load8(r + i), load8(xp + t * H + i)));
+        for (; i < H; ++i) r[i] = static_cast<scalar_t>(f(r[i]) + f(xp[t * H + i]));
         norm_row(r, wc.data_ptr<scalar_t>(), H, static_cast<float>(eps), yp + t * H);
       }
     });
@@ -104,7 +124,7 @@ void rope_store(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, i
   const int64_t C = k_buf.size(0);
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(lp[t] >= 0 && lp[t] < C, "loc[", t, "] = ", lp[t], " is outside the pool");
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, qkv.scalar_type(), "rope_store", [&] {
+  SGL_DISPATCH_FLOAT_BF16(qkv.scalar_type(), "rope_store", [&] {
     scalar_t* p = qkv.data_ptr<scalar_t>();
     const scalar_t* cp = cos.data_ptr<scalar_t>();
     const scalar_t* sp = sin.data_ptr<scalar_t>();
@@ -117,7 +137,9 @@ void rope_store(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, i
         std::copy(src, src + n, buf.data_ptr<scalar_t>() + off);
       } else if (kv_type == at::kBFloat16) {
         c10::BFloat16* dst = buf.data_ptr<c10::BFloat16>() + off;
-        for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<c10::BFloat16>(f(src[i]));
+        int64_t i = 0;
+        for (; i + 8 <= n; i += 8) store8(dst + i, load8(src + i));
+        for (; i < n; ++i) dst[i] = static_cast<c10::BFloat16>(f(src[i]));
       } else {
         float* dst = buf.data_ptr<float>() + off;
         for (int64_t i = 0; i < n; ++i) dst[i] = f(src[i]);
@@ -132,7 +154,18 @@ void rope_store(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, i
         // HF: x * cos + rotate_half(x) * sin, each product rounded to the dtype, then summed
         for (int64_t h = 0; h < num_q + num_kv; ++h) {
           scalar_t* x = row + h * D;
-          for (int64_t i = 0; i < half; ++i) {
+          int64_t i = 0;
+          for (; i + 8 <= half; i += 8) {  // the scalar loop's operations, 8 lanes at a time
+            const __m256 a = load8(x + i), b = load8(x + i + half);
+            const __m256 a_cos = round_to<scalar_t>(_mm256_mul_ps(a, load8(c + i)));
+            const __m256 nb_sin = round_to<scalar_t>(
+                _mm256_mul_ps(_mm256_xor_ps(b, _mm256_set1_ps(-0.0f)), load8(s + i)));
+            const __m256 b_cos = round_to<scalar_t>(_mm256_mul_ps(b, load8(c + i + half)));
+            const __m256 a_sin = round_to<scalar_t>(_mm256_mul_ps(a, load8(s + i + half)));
+            store8(x + i, _mm256_add_ps(a_cos, nb_sin));
+            store8(x + i + half, _mm256_add_ps(b_cos, a_sin));
+          }
+          for (; i < half; ++i) {
             const scalar_t a = x[i], b = x[i + half];
             const scalar_t a_cos = static_cast<scalar_t>(f(a) * f(c[i]));
             const scalar_t nb_sin = static_cast<scalar_t>(-f(b) * f(s[i]));
@@ -154,23 +187,30 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
               "gate_up must be a contiguous [T, 2 I] tensor");
   const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
   auto out = at::empty({T, I}, gate_up.options());
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, gate_up.scalar_type(), "silu_mul", [&] {
+  SGL_DISPATCH_FLOAT_BF16(gate_up.scalar_type(), "silu_mul", [&] {
     const scalar_t* g = gate_up.data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
     at::parallel_for(0, T, 16, [&](int64_t lo, int64_t hi) {
-      alignas(32) float buf[8];
       for (int64_t t = lo; t < hi; ++t) {
         const scalar_t* gt = g + t * 2 * I;
-        for (int64_t i = 0; i < I; i += 8) {
-          const int64_t n = std::min<int64_t>(8, I - i);
+        scalar_t* ot = o + t * I;
+        int64_t i = 0;
+        // silu(x) = x / (1 + exp(-x)); torch rounds it to the dtype before the product
+        for (; i + 8 <= I; i += 8) {
+          const __m256 x = load8(gt + i);
+          const __m256 e = exp256(_mm256_xor_ps(x, _mm256_set1_ps(-0.0f)));
+          const __m256 sx = round_to<scalar_t>(_mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e)));
+          store8(ot + i, _mm256_mul_ps(sx, load8(gt + I + i)));
+        }
+        if (i < I) {  // the tail, through a buffer of 8
+          alignas(32) float buf[8] = {0};
+          const int64_t n = I - i;
           for (int64_t j = 0; j < n; ++j) buf[j] = -f(gt[i + j]);
-          // silu(x) = x / (1 + exp(-x)); torch rounds it to the dtype before the product
-          const __m256 e = exp256(_mm256_load_ps(buf));
-          _mm256_store_ps(buf, e);
+          _mm256_store_ps(buf, exp256(_mm256_load_ps(buf)));
           for (int64_t j = 0; j < n; ++j) {
             const float x = f(gt[i + j]);
             const scalar_t sx = static_cast<scalar_t>(x / (1.0f + buf[j]));
-            o[t * I + i + j] = static_cast<scalar_t>(f(sx) * f(gt[I + i + j]));
+            ot[i + j] = static_cast<scalar_t>(f(sx) * f(gt[I + i + j]));
           }
         }
       }

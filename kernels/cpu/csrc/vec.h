@@ -6,6 +6,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace sgl_cpu {
 
@@ -16,11 +17,33 @@ inline __m256 load8(const c10::BFloat16* p) {
 }
 
 inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+
+// The bits of bfloat16(v) in the high half of each lane (low half zero): round to nearest
+// even, NaN -> 0x7FC0, exactly as c10::BFloat16(float).
+inline __m256i bf16_bits_hi(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_and_si256(
+      _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb)),
+      _mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+  return _mm256_castps_si256(_mm256_blendv_ps(
+      _mm256_castsi256_ps(r), _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)), nan));
+}
+
 // float32 -> bfloat16 with round-to-nearest-even (c10::BFloat16's rounding; NaN stays NaN)
 inline void store8(c10::BFloat16* p, __m256 v) {
-  alignas(32) float buf[8];
-  _mm256_store_ps(buf, v);
-  for (int i = 0; i < 8; ++i) p[i] = static_cast<c10::BFloat16>(buf[i]);
+  const __m256i hi = _mm256_srli_epi32(bf16_bits_hi(v), 16);
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(hi),
+                                          _mm256_extracti128_si256(hi, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+
+// v rounded to T and back to float32 (what static_cast<float>(static_cast<T>(v)) gives)
+template <typename T>
+inline __m256 round_to(__m256 v) {
+  if constexpr (std::is_same_v<T, float>) return v;
+  else return _mm256_castsi256_ps(bf16_bits_hi(v));
 }
 
 inline float hsum(__m256 v) {

@@ -41,6 +41,7 @@
 #include <algorithm>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 namespace sgl_cpu_vnni {
 namespace {
@@ -77,21 +78,26 @@ inline __m512i bcast4(const int8_t* p) {
   return _mm512_set1_epi32(v);
 }
 
-// Quantized activations of M rows: qx [M, K] int8, dx [M, G] scales, sx [M, G] block sums,
-// cx [M, G] = dx * sx (the int4 offset term's factor).
+// Quantized activations of M rows, in one scratch buffer of the calling thread (a decode step
+// makes ~120 calls of a few KB each: no allocation per call): qx [M, K] int8, dx [M, G]
+// scales, sx [M, G] block sums, cx [M, G] = dx * sx (the int4 offset term's factor).
 struct QuantizedRows {
-  at::Tensor qx, dx, sx, cx;
+  const int8_t* qx;
+  const float* dx;
+  const int32_t* sx;
+  const float* cx;
 };
 
 template <typename T>
 QuantizedRows quantize_rows(const T* x, int64_t M, int64_t K) {
   const int64_t G = K / QK;
-  QuantizedRows r{at::empty({M, K}, at::kChar), at::empty({M, G}, at::kFloat),
-                  at::empty({M, G}, at::kInt), at::empty({M, G}, at::kFloat)};
-  int8_t* qp = r.qx.data_ptr<int8_t>();
-  float* dp = r.dx.data_ptr<float>();
-  int32_t* sp = r.sx.data_ptr<int32_t>();
-  float* cp = r.cx.data_ptr<float>();
+  thread_local std::vector<int64_t> scratch;  // int64: 8-byte alignment for every part
+  const size_t bytes = M * K + 12 * M * G;
+  scratch.resize((bytes + 7) / 8 + 1);
+  int8_t* qp = reinterpret_cast<int8_t*>(scratch.data());
+  float* dp = reinterpret_cast<float*>(qp + ((M * K + 7) / 8) * 8);
+  int32_t* sp = reinterpret_cast<int32_t*>(dp + M * G);
+  float* cp = reinterpret_cast<float*>(sp + M * G);
   at::parallel_for(0, M, 16, [&](int64_t lo, int64_t hi) {
     for (int64_t m = lo; m < hi; ++m) {
       for (int64_t g = 0; g < G; ++g) {
@@ -116,7 +122,7 @@ QuantizedRows quantize_rows(const T* x, int64_t M, int64_t K) {
       }
     }
   });
-  return r;
+  return {qp, dp, sp, cp};
 }
 
 // y[m0 .. m0+MT, 16 NT features] for int4 tiles at w (tile i at w + i * tile_bytes).
@@ -344,9 +350,9 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N)
   auto run = [&](auto* xp, auto* yp) {
     using T = std::remove_pointer_t<decltype(xp)>;
     const QuantizedRows q = quantize_rows(xp, M, K);
-    const int8_t* qx = q.qx.data_ptr<int8_t>();
-    const float* dx = q.dx.data_ptr<float>();
-    const float* cx = q.cx.data_ptr<float>();
+    const int8_t* qx = q.qx;
+    const float* dx = q.dx;
+    const float* cx = q.cx;
     for_tiles(tiles, M, [&](int64_t t, int64_t nt, int64_t m0, int64_t mt) {
       with_tile(nt, mt, [&]<int NTI, int MTI>() {
         q4_tile<NTI, MTI, T>(w + t * tile_bytes, tile_bytes, G, qx + m0 * K, dx + m0 * G,
@@ -380,9 +386,9 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   auto run = [&](auto* xp, auto* yp) {
     using T = std::remove_pointer_t<decltype(xp)>;
     const QuantizedRows q = quantize_rows(xp, M, K);
-    const int8_t* qx = q.qx.data_ptr<int8_t>();
-    const float* dx = q.dx.data_ptr<float>();
-    const int32_t* sx = q.sx.data_ptr<int32_t>();
+    const int8_t* qx = q.qx;
+    const float* dx = q.dx;
+    const int32_t* sx = q.sx;
     for_tiles(tiles, M, [&](int64_t t, int64_t nt, int64_t m0, int64_t mt) {
       with_tile(nt, mt, [&]<int NTI, int MTI>() {
         q8_tile<NTI, MTI, T>(w + t * tile_bytes, tile_bytes, G, qx + m0 * K, dx + m0 * G,
