@@ -26,7 +26,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import copy_bandwidth
+from benchmarks.common import copy_bandwidth, read_bandwidth
 from kernels import cpu as native
 from kernels.cpu_features import cpu_description, native_bf16
 from server.model.quantization import quantize_int4, quantize_int8
@@ -87,10 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = [int(r) for r in args.rows.split(",")]
     print(f"CPU: {cpu_description()}; torch threads: {torch.get_num_threads()}")
     print(f"kernels: {', '.join(kernels)}; activations {args.dtype}")
-    bw, peak = copy_bandwidth("cpu"), dense_gflops()
+    bw, read, peak = copy_bandwidth("cpu"), read_bandwidth(), dense_gflops()
     peak_bf16 = dense_gflops(dtype=torch.bfloat16)
-    print(f"copy bandwidth {bw:.1f} GB/s; dense 2048^3 matmul: fp32 {peak:.0f} GFLOP/s, "
-          f"bf16 {peak_bf16:.0f} GFLOP/s\n")
+    print(f"copy bandwidth {bw:.1f} GB/s (read + written), read {read:.1f} GB/s; dense 2048^3 "
+          f"matmul: fp32 {peak:.0f} GFLOP/s, bf16 {peak_bf16:.0f} GFLOP/s\n")
     cases = [("int4", *(int(v) for v in spec.split("x"))) for spec in args.shapes.split(",")]
     if not args.no_lm_head:
         cases.append(("int8", *LM_HEAD))

@@ -13,7 +13,8 @@ present (else this repository's source text), chat-templated and cut to length i
 
 Decode at batch 1 reads every weight once per token, so "b=1 GB/s" = weight bytes x tokens/s
 is the achieved memory bandwidth (KV reads are < 1% of it at 128 tokens); it is printed next to
-the device's measured copy bandwidth (read + write bytes of a 256 MiB ``copy_``).
+the device's measured copy bandwidth (read + write bytes of a 256 MiB ``copy_``) and, on a
+CPU, its read bandwidth (a sum over 256 MiB).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import time
 
 import torch
 
-from benchmarks.common import copy_bandwidth, print_table, shared_data_dir
+from benchmarks.common import copy_bandwidth, print_table, read_bandwidth, shared_data_dir
 from kernels.cpu_features import cpu_description
 from server.engine import Engine
 from server.model.forward_batch import ForwardMode
@@ -211,8 +212,9 @@ def main() -> None:
     batches = [int(b) for b in (args.batches or ("1,16,64,256" if cuda else "1,8,32")).split(",")]
     graphs = args.cuda_graph.split(",") if cuda else ["off"]
     device_name = torch.cuda.get_device_name(device) if device.startswith("cuda") else "CPU"
-    print(f"device: {device_name}; copy bandwidth {copy_bandwidth(device):.1f} GB/s; "
-          f"CPU: {cpu_description()}")
+    read = "" if cuda else f", read {read_bandwidth():.1f} GB/s"
+    print(f"device: {device_name}; copy bandwidth {copy_bandwidth(device):.1f} GB/s (read + "
+          f"written){read}; CPU: {cpu_description()}")
 
     texts, source = load_texts(32)
     print(f"prompts: {source}; torch threads: {torch.get_num_threads()}")

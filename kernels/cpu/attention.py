@@ -39,6 +39,12 @@ class CPUAttention:
                       torch.tensor(inputs.prefix_lens, dtype=torch.int64),
                       torch.tensor(inputs.extend_lens, dtype=torch.int64))
 
+    def stack_inputs(self) -> tuple[torch.Tensor, ...]:
+        """This pass's attention metadata as ``sgl_cpu::DecoderStack.forward`` takes it:
+        (req_to_token, req_rows, prefix_lens, extend_lens, out_cache_loc)."""
+        rows, prefix, extend = self._meta
+        return self.inputs.req_to_token, rows, prefix, extend, self.inputs.out_cache_loc
+
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm of x [T, H] (float32/bfloat16, weight [H] in x's dtype), as the reference."""

@@ -161,6 +161,9 @@ class LlamaForCausalLM(nn.Module):
                         else nn.Linear(arch.hidden_size, vocab, bias=False))
         self.max_positions = max_positions
         self.rope_freq_factors = rope_freq_factors
+        # the layers as one native call (server.model.native_stack), set by the runner where
+        # the model and backend allow it; None runs the Python loop below
+        self.native_stack = None
         self.init_rope_cache()
 
     def init_rope_cache(self) -> None:
@@ -192,6 +195,8 @@ class LlamaForCausalLM(nn.Module):
             x = x.index_copy(0, embeds[0], embeds[1].to(x.dtype))
         cos = self.cos_cache[positions].to(x.dtype)
         sin = self.sin_cache[positions].to(x.dtype)
+        if self.native_stack is not None and attn_id is None:
+            return self.native_stack.forward(x, cos, sin, *attn.stack_inputs())
         local = (self.cos_local[positions].to(x.dtype), self.sin_local[positions].to(x.dtype)) \
             if self.arch.local_rope_theta is not None else (cos, sin)
         for layer in self.layers:

@@ -20,6 +20,7 @@ from server.model.cuda_graph import CudaGraphRunner
 from server.model.forward_batch import ForwardBatch, ForwardMode, RunnerOutput
 from server.model.llama import LlamaForCausalLM
 from server.model.loader import LoadedModel
+from server.model.native_stack import build_native_stack
 from server.model.parallel import TPGroup
 from server.model.tp_worker import TensorParallelError, send_batch
 
@@ -88,6 +89,8 @@ class ModelRunner:
                                                   kv_pool.v_buffers, windowed=arch.windowed)
         compile = compile and tp is None
         self.compiled = compile and self.device.type == "cpu"
+        if not self.compiled and self.device.type == "cpu":
+            model.native_stack = build_native_stack(model, self.attention)
         self._hidden = self._eager_hidden
         if self.compiled:
             self._attn_id = register_backend(self.attention)

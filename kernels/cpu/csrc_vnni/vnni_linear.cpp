@@ -52,6 +52,7 @@ constexpr int64_t Q4_BLOCK = 320;   // bytes per (tile, block), int4
 constexpr int64_t Q8_BLOCK = 512;   // bytes per (tile, block), int8
 constexpr int64_t MAX_MT = 4;       // activation rows per register tile
 constexpr int64_t MB = 64;          // activation rows per cache block (a multiple of MAX_MT)
+constexpr int64_t PREFETCH = 4;     // weight blocks prefetched ahead of the one computed
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::BFloat16* p) {
@@ -138,6 +139,11 @@ inline void q4_tile(const uint8_t* w, int64_t tile_bytes, int64_t G, const int8_
     __m512i lo_acc[NT][MT], hi_acc[NT][MT];
     for (int i = 0; i < NT; ++i)
       for (int r = 0; r < MT; ++r) lo_acc[i][r] = hi_acc[i][r] = _mm512_setzero_si512();
+    if (g + PREFETCH < G)  // the NT weight streams, PREFETCH blocks ahead
+      for (int i = 0; i < NT; ++i)
+        for (int line = 0; line < Q4_BLOCK; line += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(w + i * tile_bytes + (g + PREFETCH) * Q4_BLOCK + line),
+                       _MM_HINT_T0);
     for (int c = 0; c < 4; ++c) {
       __m512i lo[NT], hi[NT];
       for (int i = 0; i < NT; ++i) {
@@ -185,6 +191,11 @@ inline void q8_tile(const uint8_t* w, int64_t tile_bytes, int64_t G, const int8_
     __m512i acc0[NT][MT], acc1[NT][MT];
     for (int i = 0; i < NT; ++i)
       for (int r = 0; r < MT; ++r) acc0[i][r] = acc1[i][r] = _mm512_setzero_si512();
+    if (g + PREFETCH < G)
+      for (int i = 0; i < NT; ++i)
+        for (int line = 0; line < Q8_BLOCK; line += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(w + i * tile_bytes + (g + PREFETCH) * Q8_BLOCK + line),
+                       _MM_HINT_T0);
     for (int c = 0; c < 8; c += 2) {
       __m512i u0[NT], u1[NT];
       for (int i = 0; i < NT; ++i) {

@@ -1,0 +1,194 @@
+// sgl_cpu::DecoderStack: a Llama-family decoder stack's forward pass as one call from Python.
+//
+// The Python loop over layers issues ~10 ops a layer (norms, three quantized linears and their
+// Python wrappers, RoPE + K/V store, attention, SiLU * up, the residual add): at batch 1 on the
+// default model about a quarter of a decode step was Python and dispatch between the ops. This
+// class holds the layers' packed weights and calls the same kernels in the same order from C++
+// (the linear kernels through the dispatcher, by name, so either linear library serves), so a
+// pass costs one Python call. Outputs are bitwise those of the Python loop
+// (server/model/llama.py, DecoderLayer.forward with a fused backend), which stays the reference
+// and serves every model this class does not take (see server/model/native_stack.py).
+//
+// The residual add that ends a layer is fused with the next layer's input RMSNorm
+// (add_rms_norm: residual += out, then the norm of the sum): the same values as x + out
+// followed by rms_norm(x), with one pass over the rows fewer.
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/record_function.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <string>
+#include <vector>
+
+namespace sgl_cpu {
+
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
+                     const at::Tensor& req_to_token, const at::Tensor& req_rows,
+                     const at::Tensor& prefix_lens, const at::Tensor& extend_lens, double scale,
+                     int64_t window, double softcap);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
+at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& w,
+                        double eps);
+void rope_store(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t num_q,
+                int64_t num_kv, int64_t head_dim, at::Tensor& k_buf, at::Tensor& v_buf,
+                const at::Tensor& loc);
+at::Tensor silu_mul(const at::Tensor& gate_up);
+
+namespace {
+
+// Linear kernel codes (server/model/native_stack.py writes them): which op runs a QuantLinear.
+enum LinearKind : int64_t { AVX2_INT4 = 0, AVX2_INT8 = 1, VNNI_INT4 = 2, VNNI_INT8 = 3 };
+
+using Int4Op = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t);
+using Int8Op = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&);
+
+template <typename Sig>
+c10::TypedOperatorHandle<Sig> op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
+}
+
+struct Linear {
+  int64_t kind, out_features;
+  at::Tensor packed, scales, bias;  // bias: undefined when the layer has none
+
+  at::Tensor operator()(const at::Tensor& x) const {
+    at::Tensor y;
+    switch (kind) {
+      case AVX2_INT4: {
+        static const auto f = op<Int4Op>("sgl_cpu::int4_linear");
+        y = f.call(x, packed, out_features);
+        break;
+      }
+      case AVX2_INT8: {
+        static const auto f = op<Int8Op>("sgl_cpu::int8_linear");
+        y = f.call(x, packed, scales);
+        break;
+      }
+      case VNNI_INT4: {
+        static const auto f = op<Int4Op>("sgl_cpu_vnni::int4_linear");
+        y = f.call(x, packed, out_features);
+        break;
+      }
+      default: {
+        static const auto f = op<Int8Op>("sgl_cpu_vnni::int8_linear");
+        y = f.call(x, packed, scales);
+      }
+    }
+    return bias.defined() ? y + bias : y;  // QuantLinear: y + bias.to(y.dtype)
+  }
+};
+
+}  // namespace
+
+// Built once from the model (server/model/native_stack.py); forward per pass.
+//   tensors: per layer, in order: input_layernorm [H], post_attention_layernorm [H], then for
+//       qkv_proj, o_proj, gate_up_proj, down_proj each: packed, scales, bias (a 0-element
+//       tensor when none) = 14 tensors a layer; then the final norm [H].
+//   ints: per layer: the four linears' (kind, out_features), then the sliding window
+//       (0 = none) = 9 ints a layer; then num_q, num_kv, head_dim.
+//   k_buffers, v_buffers: the KV pool's per-layer buffers [capacity, num_kv, head_dim].
+//   floats: rms_norm_eps, attention scale, attention-logit soft-cap (0 = none).
+class DecoderStack : public torch::CustomClassHolder {
+ public:
+  DecoderStack(std::vector<at::Tensor> tensors, std::vector<int64_t> ints,
+               std::vector<at::Tensor> k_buffers, std::vector<at::Tensor> v_buffers,
+               std::vector<double> floats)
+      : k_(std::move(k_buffers)), v_(std::move(v_buffers)) {
+    const size_t layers = k_.size();
+    TORCH_CHECK(v_.size() == layers && tensors.size() == 14 * layers + 1 &&
+                ints.size() == 9 * layers + 3 && floats.size() == 3,
+                "DecoderStack: ", layers, " layers need 14 tensors and 9 ints each (+1 tensor, "
+                "+3 ints) and 3 floats; got ", tensors.size(), ", ", ints.size(), ", ",
+                floats.size());
+    for (size_t l = 0; l < layers; ++l) {
+      const at::Tensor* t = &tensors[14 * l];
+      const int64_t* i = &ints[9 * l];
+      Layer layer{t[0], t[1], {}, i[8]};
+      for (int j = 0; j < 4; ++j) {
+        const at::Tensor& bias = t[2 + 3 * j + 2];
+        layer.linears[j] = Linear{i[2 * j], i[2 * j + 1], t[2 + 3 * j], t[2 + 3 * j + 1],
+                                  bias.numel() ? bias : at::Tensor()};
+        TORCH_CHECK(i[2 * j] >= AVX2_INT4 && i[2 * j] <= VNNI_INT8, "unknown linear kind ",
+                    i[2 * j]);
+      }
+      layers_.push_back(std::move(layer));
+    }
+    final_norm_ = tensors.back();
+    num_q_ = ints[9 * layers];
+    num_kv_ = ints[9 * layers + 1];
+    head_dim_ = ints[9 * layers + 2];
+    eps_ = floats[0];
+    scale_ = floats[1];
+    softcap_ = floats[2];
+  }
+
+  // x [T, H] the token embeddings (the residual stream; updated in place); cos, sin [T, D];
+  // the attention metadata as sgl_cpu::attention and rope_store take it. Returns the
+  // final-normed hidden states [T, H].
+  at::Tensor forward(at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor req_to_token,
+                     at::Tensor req_rows, at::Tensor prefix_lens, at::Tensor extend_lens,
+                     at::Tensor loc) {
+    TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [T, H] tensor");
+    const int64_t T = x.size(0), D = head_dim_;
+    // each direct call is a profiler range named as its op, as when Python dispatches it
+    at::Tensor h;
+    {
+      RECORD_FUNCTION("sgl_cpu::rms_norm", std::vector<c10::IValue>());
+      h = rms_norm(x, layers_[0].input_norm, eps_);
+    }
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      Layer& layer = layers_[l];
+      at::Tensor qkv = layer.linears[0](h);
+      {
+        RECORD_FUNCTION("sgl_cpu::rope_store", std::vector<c10::IValue>());
+        rope_store(qkv, cos, sin, num_q_, num_kv_, D, k_[l], v_[l], loc);
+      }
+      const at::Tensor q = qkv.narrow(1, 0, num_q_ * D).view({T, num_q_, D});
+      at::Tensor o;
+      {
+        RECORD_FUNCTION("sgl_cpu::attention", std::vector<c10::IValue>());
+        o = attention(q, k_[l], v_[l], req_to_token, req_rows, prefix_lens, extend_lens,
+                      scale_, layer.window, softcap_);
+      }
+      o = layer.linears[1](o.reshape({T, -1}));
+      {
+        RECORD_FUNCTION("sgl_cpu::add_rms_norm", std::vector<c10::IValue>());
+        h = add_rms_norm(o, x, layer.post_norm, eps_);
+      }
+      at::Tensor act = layer.linears[2](h);
+      {
+        RECORD_FUNCTION("sgl_cpu::silu_mul", std::vector<c10::IValue>());
+        act = silu_mul(act);
+      }
+      const at::Tensor out = layer.linears[3](act);
+      {
+        RECORD_FUNCTION("sgl_cpu::add_rms_norm", std::vector<c10::IValue>());
+        h = add_rms_norm(out, x,
+                         l + 1 < layers_.size() ? layers_[l + 1].input_norm : final_norm_, eps_);
+      }
+    }
+    return h;
+  }
+
+ private:
+  struct Layer {
+    at::Tensor input_norm, post_norm;
+    Linear linears[4];  // qkv_proj, o_proj, gate_up_proj, down_proj
+    int64_t window;
+  };
+  std::vector<Layer> layers_;
+  std::vector<at::Tensor> k_, v_;
+  at::Tensor final_norm_;
+  int64_t num_q_ = 0, num_kv_ = 0, head_dim_ = 0;
+  double eps_ = 0, scale_ = 0, softcap_ = 0;
+};
+
+}  // namespace sgl_cpu
+
+TORCH_LIBRARY_FRAGMENT(sgl_cpu, m) {
+  m.class_<sgl_cpu::DecoderStack>("DecoderStack")
+      .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<at::Tensor>,
+                       std::vector<at::Tensor>, std::vector<double>>())
+      .def("forward", &sgl_cpu::DecoderStack::forward);
+}

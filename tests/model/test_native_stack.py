@@ -1,0 +1,56 @@
+"""The decoder stack as one native call (server/model/native_stack.py): the same tokens and
+bitwise the same logprobs as the Python loop over layers, for every linear kernel the machine
+runs, both compute dtypes, biases and sliding windows; models it does not take keep the loop."""
+
+from __future__ import annotations
+
+import pytest
+
+from kernels import cpu as native
+from server.engine import Engine
+from server.model.native_stack import unsupported_reason
+
+pytestmark = pytest.mark.skipif(not native.available(),
+                                reason=f"sgl_cpu kernels: {native.unavailable_reason()}")
+
+SP = {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}
+PROMPTS = [[5 + i for i in range(40)], [900, 17, 33, 2], list(range(300, 371))]
+# every linear kernel this machine runs, by the CPU class that picks it
+ISAS = ["avx2"] + (["avx512_bf16"] if native.available("avx512_vnni") else [])
+
+
+def _results(engine: Engine) -> list[tuple]:
+    outs = engine.generate(input_ids=PROMPTS, sampling_params=SP, return_logprob=True,
+                           logprob_start_len=0)
+    return [(tuple(o["output_ids"]),
+             tuple(lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]),
+             tuple(lp for lp, _, _ in o["meta_info"]["input_token_logprobs"][1:]))
+            for o in outs]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kind,overrides", [("llama", {}), ("qwen2", {}),
+                                            ("mistral_swa", {})])
+def test_one_native_call_equals_the_python_loop(make_tiny_model, isa, dtype, kind, overrides):
+    path, _ = make_tiny_model(kind, seed=5, **overrides)
+    engine = Engine(path, dtype=dtype, cpu_isa=isa, quantization="int4", context_length=256,
+                    max_total_tokens=4096, chunked_prefill_size=32, disable_radix_cache=True)
+    model = engine.runner.model
+    assert model.native_stack is not None, unsupported_reason(model, engine.runner.attention)
+    stacked = _results(engine)
+    model.native_stack = None  # the Python loop over the same weights and pool
+    assert _results(engine) == stacked
+
+
+def test_models_it_does_not_take_run_the_python_loop(make_tiny_model):
+    gemma, _ = make_tiny_model("gemma2", seed=1)
+    dense, _ = make_tiny_model("llama", seed=1)
+    for path, kwargs, reason in [(gemma, {"quantization": "int4"}, "differ from Llama"),
+                                 (dense, {"quantization": "none"}, "not on a native"),
+                                 (dense, {"quantization": "int4", "cpu_isa": "none"},
+                                  "attention backend")]:
+        engine = Engine(path, context_length=128, max_total_tokens=1024, **kwargs)
+        assert engine.runner.model.native_stack is None
+        assert reason in unsupported_reason(engine.runner.model, engine.runner.attention)
+        assert len(engine.generate(input_ids=[5, 6, 7], sampling_params=SP)["output_ids"]) == 5
