@@ -19,6 +19,13 @@ def answer(s, question):
 
 
 @sgl.function
+def long_answer(s, question):
+    # 48 tokens: n-gram drafts (up to 8 tokens a step) can produce a short greedy answer of a
+    # repetitive random model in one step, and a stream of one step is one piece
+    s += "Q: " + question + "\nA:" + sgl.gen("a", max_tokens=48, temperature=0)
+
+
+@sgl.function
 def pick(s):
     s += "The best colour is " + sgl.select("c", choices=["red", "green", "blue"])
 
@@ -63,9 +70,9 @@ def tiny(url: str) -> dict:
     s = scored.run(backend=be)
     out["scored"] = s["x"]
     out["scored_meta"] = s.get_meta_info("x")
-    st = answer.run(question="stream me", backend=be, stream=True)
+    st = long_answer.run(question="stream me", backend=be, stream=True)
     out["stream_pieces"] = list(st.text_iter("a"))
-    out["stream_plain"] = answer.run(question="stream me", backend=be)["a"]
+    out["stream_plain"] = long_answer.run(question="stream me", backend=be)["a"]
     batch = answer.run_batch([{"question": q} for q in ("one", "two", "three")], backend=be)
     out["batch"] = [x["a"] for x in batch]
     out["single"] = [answer.run(question=q, backend=be)["a"] for q in ("one", "two", "three")]

@@ -28,7 +28,9 @@ def server(make_tiny_model):
 
 def _stream(url: str, results: list, i: int) -> None:
     body = {"input_ids": [5 + i, 6, 7], "stream": True,
-            "sampling_params": {"max_new_tokens": 500, "temperature": 0, "ignore_eos": True}}
+            # sampled: greedy text repeats itself and n-gram drafts would finish it too soon
+            "sampling_params": {"max_new_tokens": 500, "temperature": 1.0, "seed": i,
+                                "ignore_eos": True}}
     try:
         with httpx.Client(base_url=url, timeout=120) as c:
             with c.stream("POST", "/generate", json=body) as resp:

@@ -18,23 +18,12 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include "ops.h"
+
 #include <string>
 #include <vector>
 
 namespace sgl_cpu {
-
-at::Tensor attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
-                     const at::Tensor& req_to_token, const at::Tensor& req_rows,
-                     const at::Tensor& prefix_lens, const at::Tensor& extend_lens, double scale,
-                     int64_t window, double softcap);
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
-at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& w,
-                        double eps);
-void rope_store(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t num_q,
-                int64_t num_kv, int64_t head_dim, at::Tensor& k_buf, at::Tensor& v_buf,
-                const at::Tensor& loc);
-at::Tensor silu_mul(const at::Tensor& gate_up);
-
 namespace {
 
 // Linear kernel codes (server/model/native_stack.py writes them): which op runs a QuantLinear.

@@ -20,6 +20,7 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "int4_source.h"
 #include "vec.h"
 
 #include <cstring>
@@ -36,7 +37,6 @@ constexpr int64_t MAX_MT = 6;  // activation rows per register tile
 constexpr int64_t MB = 60;     // activation rows per cache block (a multiple of MAX_MT)
 
 inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
-inline uint16_t float_to_half(float f) { return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT); }
 
 template <typename T>
 inline void store(T* y, float v) { *y = static_cast<T>(v); }
@@ -206,29 +206,19 @@ void check_x(const at::Tensor& x, int64_t K, int64_t multiple) {
 // q [N, K] uint8 in [0, 15], scale/zero [N, K / 32] float32 with w = (q - 8) * scale + zero
 // (server.model.quantization's int4 convention) -> packed [N, K / 32 * 20] uint8.
 at::Tensor pack_int4(const at::Tensor& q, const at::Tensor& scale, const at::Tensor& zero) {
-  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte, "q must be [N, K] uint8");
-  const int64_t N = q.size(0), K = q.size(1), G = K / QK;
-  TORCH_CHECK(K % QK == 0, "K must be a multiple of ", QK);
-  TORCH_CHECK(scale.sizes() == zero.sizes() && scale.size(0) == N && scale.size(1) == G,
-              "scale and zero must be [N, K / 32]");
-  auto qc = q.contiguous();
-  auto sc = scale.to(at::kFloat).contiguous();
-  auto zc = zero.to(at::kFloat).contiguous();
-  auto out = at::empty({N, G * Q4_BYTES}, q.options());
-  const uint8_t* qp = qc.data_ptr<uint8_t>();
-  const float* sp = sc.data_ptr<float>();
-  const float* zp = zc.data_ptr<float>();
+  const Int4Source src = int4_source(q, scale, zero);
+  const int64_t G = src.G;
+  auto out = at::empty({src.N, G * Q4_BYTES}, q.options());
   uint8_t* op = out.data_ptr<uint8_t>();
-  at::parallel_for(0, N, 64, [&](int64_t lo, int64_t hi) {
+  at::parallel_for(0, src.N, 64, [&](int64_t lo, int64_t hi) {
     for (int64_t n = lo; n < hi; ++n) {
       for (int64_t g = 0; g < G; ++g) {
         uint8_t* b = op + (n * G + g) * Q4_BYTES;
-        const float d = sp[n * G + g];
-        const uint16_t hd = float_to_half(d), hm = float_to_half(zp[n * G + g] - 8.0f * d);
+        const auto [hd, hm] = src.dm(n, g);
         std::memcpy(b, &hd, 2);
         std::memcpy(b + 2, &hm, 2);
-        const uint8_t* src = qp + n * K + g * QK;
-        for (int j = 0; j < 16; ++j) b[4 + j] = (src[j] & 0x0F) | ((src[j + 16] & 0x0F) << 4);
+        const uint8_t* w = src.row(n, g);
+        for (int j = 0; j < 16; ++j) b[4 + j] = (w[j] & 0x0F) | ((w[j + 16] & 0x0F) << 4);
       }
     }
   });

@@ -38,6 +38,8 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "../csrc/int4_source.h"
+
 #include <algorithm>
 #include <cstring>
 #include <type_traits>
@@ -270,6 +272,35 @@ void for_tiles(int64_t tiles, int64_t M, Tile tile) {
   });
 }
 
+void check_packed(const at::Tensor& packed, int64_t N, int64_t tile_bytes, const char* packer) {
+  const int64_t tiles = (N + TILE - 1) / TILE;
+  TORCH_CHECK(packed.dim() == 2 && packed.size(0) == tiles && packed.size(1) == tile_bytes &&
+              packed.is_contiguous() && packed.scalar_type() == at::kByte,
+              "packed must be a contiguous [", tiles, ", ", tile_bytes, "] uint8 tensor "
+              "(sgl_cpu_vnni.", packer, " of a [", N, ", K] weight)");
+}
+
+// y [M, N] in x's dtype: x quantized, then tile.template operator()<NT, MT, T>(t, m0, q,
+// y + m0 * N + t * TILE) over every (feature tile group, row tile) of for_tiles.
+template <typename Tile>
+at::Tensor run_linear(const at::Tensor& x, int64_t N, Tile&& tile) {
+  const int64_t M = x.size(0), K = x.size(1), tiles = (N + TILE - 1) / TILE;
+  auto y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  auto run = [&](auto* xp, auto* yp) {
+    using T = std::remove_pointer_t<decltype(xp)>;
+    const QuantizedRows q = quantize_rows(xp, M, K);
+    for_tiles(tiles, M, [&](int64_t t, int64_t nt, int64_t m0, int64_t mt) {
+      with_tile(nt, mt, [&]<int NTI, int MTI>() {
+        tile.template operator()<NTI, MTI, T>(t, m0, q, yp + m0 * N + t * TILE);
+      });
+    });
+  };
+  if (x.scalar_type() == at::kFloat) run(x.data_ptr<float>(), y.data_ptr<float>());
+  else run(x.data_ptr<c10::BFloat16>(), y.data_ptr<c10::BFloat16>());
+  return y;
+}
+
 void check_x(const at::Tensor& x, int64_t K) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x must be [M, ", K, "], got ", x.sizes());
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
@@ -278,7 +309,6 @@ void check_x(const at::Tensor& x, int64_t K) {
   TORCH_CHECK(K % QK == 0, "in_features must be a multiple of ", QK, ", got ", K);
 }
 
-inline uint16_t float_to_half(float f) { return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT); }
 
 }  // namespace
 
@@ -286,34 +316,23 @@ inline uint16_t float_to_half(float f) { return _cvtss_sh(f, _MM_FROUND_TO_NEARE
 // -> [ceil(N / 16), K / 32 * 320] uint8 (the int4 layout above; d = fp16(scale),
 // m = fp16(zero - 8 * scale), as sgl_cpu::pack_int4).
 at::Tensor pack_int4(const at::Tensor& q, const at::Tensor& scale, const at::Tensor& zero) {
-  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte, "q must be [N, K] uint8");
-  const int64_t N = q.size(0), K = q.size(1), G = K / QK, tiles = (N + TILE - 1) / TILE;
-  TORCH_CHECK(K % QK == 0, "K must be a multiple of ", QK);
-  TORCH_CHECK(scale.sizes() == zero.sizes() && scale.size(0) == N && scale.size(1) == G,
-              "scale and zero must be [N, K / 32]");
-  auto qc = q.contiguous();
-  auto sc = scale.to(at::kFloat).contiguous();
-  auto zc = zero.to(at::kFloat).contiguous();
+  const sgl_cpu::Int4Source src = sgl_cpu::int4_source(q, scale, zero);
+  const int64_t N = src.N, G = src.G, tiles = (N + TILE - 1) / TILE;
   auto out = at::zeros({tiles, G * Q4_BLOCK}, q.options());
-  const uint8_t* qp = qc.data_ptr<uint8_t>();
-  const float* sp = sc.data_ptr<float>();
-  const float* zp = zc.data_ptr<float>();
   uint8_t* op = out.data_ptr<uint8_t>();
   at::parallel_for(0, tiles, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) {
       for (int64_t g = 0; g < G; ++g) {
         uint8_t* b = op + (t * G + g) * Q4_BLOCK;
         for (int64_t f = 0; f < TILE && t * TILE + f < N; ++f) {
-          const int64_t n = t * TILE + f;
-          const float d = sp[n * G + g];
-          const uint16_t hd = float_to_half(d), hm = float_to_half(zp[n * G + g] - 8.0f * d);
+          const auto [hd, hm] = src.dm(t * TILE + f, g);
           std::memcpy(b + 2 * f, &hd, 2);
           std::memcpy(b + 32 + 2 * f, &hm, 2);
-          const uint8_t* src = qp + n * K + g * QK;
+          const uint8_t* w = src.row(t * TILE + f, g);
           for (int c = 0; c < 4; ++c)
             for (int j = 0; j < 4; ++j)
               b[64 + 64 * c + 4 * f + j] =
-                  (src[8 * c + j] & 0x0F) | ((src[8 * c + 4 + j] & 0x0F) << 4);
+                  (w[8 * c + j] & 0x0F) | ((w[8 * c + 4 + j] & 0x0F) << 4);
         }
       }
     }
@@ -347,70 +366,32 @@ at::Tensor pack_int8(const at::Tensor& w) {
 
 // x [M, K] float32/bfloat16, packed from pack_int4 -> y [M, N] in x's dtype.
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
-  const int64_t K = x.size(1), G = K / QK, M = x.size(0), tiles = (N + TILE - 1) / TILE;
+  const int64_t K = x.size(1), G = K / QK, tile_bytes = G * Q4_BLOCK;
   check_x(x, K);
-  TORCH_CHECK(packed.dim() == 2 && packed.size(0) == tiles &&
-              packed.size(1) == G * Q4_BLOCK && packed.is_contiguous() &&
-              packed.scalar_type() == at::kByte,
-              "packed must be a contiguous [", tiles, ", ", G * Q4_BLOCK,
-              "] uint8 tensor (sgl_cpu_vnni.pack_int4 of a [N, K] weight)");
-  auto y = at::empty({M, N}, x.options());
-  if (M == 0) return y;
+  check_packed(packed, N, tile_bytes, "pack_int4");
   const uint8_t* w = packed.data_ptr<uint8_t>();
-  const int64_t tile_bytes = G * Q4_BLOCK;
-  auto run = [&](auto* xp, auto* yp) {
-    using T = std::remove_pointer_t<decltype(xp)>;
-    const QuantizedRows q = quantize_rows(xp, M, K);
-    const int8_t* qx = q.qx;
-    const float* dx = q.dx;
-    const float* cx = q.cx;
-    for_tiles(tiles, M, [&](int64_t t, int64_t nt, int64_t m0, int64_t mt) {
-      with_tile(nt, mt, [&]<int NTI, int MTI>() {
-        q4_tile<NTI, MTI, T>(w + t * tile_bytes, tile_bytes, G, qx + m0 * K, dx + m0 * G,
-                             cx + m0 * G, K, yp + m0 * N + t * TILE, N, N - t * TILE);
-      });
-    });
-  };
-  if (x.scalar_type() == at::kFloat) run(x.data_ptr<float>(), y.data_ptr<float>());
-  else run(x.data_ptr<c10::BFloat16>(), y.data_ptr<c10::BFloat16>());
-  return y;
+  return run_linear(x, N, [&]<int NT, int MT, typename T>(int64_t t, int64_t m0,
+                                                           const QuantizedRows& q, T* y) {
+    q4_tile<NT, MT, T>(w + t * tile_bytes, tile_bytes, G, q.qx + m0 * K, q.dx + m0 * G,
+                       q.cx + m0 * G, K, y, N, N - t * TILE);
+  });
 }
 
 // x [M, K] float32/bfloat16, packed from pack_int8 of w [N, K], scale [N] float32 -> y [M, N]
 // in x's dtype (y = x @ (w * scale[:, None]).T).
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale) {
-  const int64_t K = x.size(1), G = K / QK, M = x.size(0);
+  const int64_t K = x.size(1), G = K / QK, tile_bytes = G * Q8_BLOCK, N = scale.numel();
   check_x(x, K);
-  const int64_t N = scale.numel(), tiles = (N + TILE - 1) / TILE;
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous(),
               "scale must be a contiguous [N] float32 tensor");
-  TORCH_CHECK(packed.dim() == 2 && packed.size(0) == tiles &&
-              packed.size(1) == G * Q8_BLOCK && packed.is_contiguous() &&
-              packed.scalar_type() == at::kByte,
-              "packed must be a contiguous [", tiles, ", ", G * Q8_BLOCK,
-              "] uint8 tensor (sgl_cpu_vnni.pack_int8 of a [N, K] weight)");
-  auto y = at::empty({M, N}, x.options());
-  if (M == 0) return y;
+  check_packed(packed, N, tile_bytes, "pack_int8");
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const float* sp = scale.data_ptr<float>();
-  const int64_t tile_bytes = G * Q8_BLOCK;
-  auto run = [&](auto* xp, auto* yp) {
-    using T = std::remove_pointer_t<decltype(xp)>;
-    const QuantizedRows q = quantize_rows(xp, M, K);
-    const int8_t* qx = q.qx;
-    const float* dx = q.dx;
-    const int32_t* sx = q.sx;
-    for_tiles(tiles, M, [&](int64_t t, int64_t nt, int64_t m0, int64_t mt) {
-      with_tile(nt, mt, [&]<int NTI, int MTI>() {
-        q8_tile<NTI, MTI, T>(w + t * tile_bytes, tile_bytes, G, qx + m0 * K, dx + m0 * G,
-                             sx + m0 * G, K, sp + t * TILE, yp + m0 * N + t * TILE, N,
-                             N - t * TILE);
-      });
-    });
-  };
-  if (x.scalar_type() == at::kFloat) run(x.data_ptr<float>(), y.data_ptr<float>());
-  else run(x.data_ptr<c10::BFloat16>(), y.data_ptr<c10::BFloat16>());
-  return y;
+  return run_linear(x, N, [&]<int NT, int MT, typename T>(int64_t t, int64_t m0,
+                                                           const QuantizedRows& q, T* y) {
+    q8_tile<NT, MT, T>(w + t * tile_bytes, tile_bytes, G, q.qx + m0 * K, q.dx + m0 * G,
+                       q.sx + m0 * G, K, sp + t * TILE, y, N, N - t * TILE);
+  });
 }
 
 }  // namespace sgl_cpu_vnni
