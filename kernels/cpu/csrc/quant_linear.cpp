@@ -20,7 +20,7 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
-#include "int4_source.h"
+#include "linear_inputs.h"
 #include "vec.h"
 
 #include <cstring>
@@ -193,13 +193,6 @@ inline void with_tile(int64_t nt, int64_t mt, F&& f) {
   else by_mt(std::integral_constant<int, 1>{});
 }
 
-void check_x(const at::Tensor& x, int64_t K, int64_t multiple) {
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x must be [M, ", K, "], got ", x.sizes());
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
-              "x must be float32 or bfloat16, got ", x.scalar_type());
-  TORCH_CHECK(x.device().is_cpu() && x.is_contiguous(), "x must be a contiguous CPU tensor");
-  TORCH_CHECK(K % multiple == 0, "in_features must be a multiple of ", multiple, ", got ", K);
-}
 
 }  // namespace
 

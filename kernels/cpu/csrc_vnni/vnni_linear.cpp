@@ -38,7 +38,7 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
-#include "../csrc/int4_source.h"
+#include "../csrc/linear_inputs.h"
 
 #include <algorithm>
 #include <cstring>
@@ -301,13 +301,6 @@ at::Tensor run_linear(const at::Tensor& x, int64_t N, Tile&& tile) {
   return y;
 }
 
-void check_x(const at::Tensor& x, int64_t K) {
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x must be [M, ", K, "], got ", x.sizes());
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
-              "x must be float32 or bfloat16, got ", x.scalar_type());
-  TORCH_CHECK(x.device().is_cpu() && x.is_contiguous(), "x must be a contiguous CPU tensor");
-  TORCH_CHECK(K % QK == 0, "in_features must be a multiple of ", QK, ", got ", K);
-}
 
 
 }  // namespace
@@ -367,7 +360,7 @@ at::Tensor pack_int8(const at::Tensor& w) {
 // x [M, K] float32/bfloat16, packed from pack_int4 -> y [M, N] in x's dtype.
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
   const int64_t K = x.size(1), G = K / QK, tile_bytes = G * Q4_BLOCK;
-  check_x(x, K);
+  sgl_cpu::check_x(x, K, QK);
   check_packed(packed, N, tile_bytes, "pack_int4");
   const uint8_t* w = packed.data_ptr<uint8_t>();
   return run_linear(x, N, [&]<int NT, int MT, typename T>(int64_t t, int64_t m0,
@@ -381,7 +374,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N)
 // in x's dtype (y = x @ (w * scale[:, None]).T).
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale) {
   const int64_t K = x.size(1), G = K / QK, tile_bytes = G * Q8_BLOCK, N = scale.numel();
-  check_x(x, K);
+  sgl_cpu::check_x(x, K, QK);
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous(),
               "scale must be a contiguous [N] float32 tensor");
   check_packed(packed, N, tile_bytes, "pack_int8");

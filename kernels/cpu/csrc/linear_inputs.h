@@ -1,7 +1,7 @@
-// The int4 weight as server.model.quantization hands it to the packers of both linear
-// libraries (sgl_cpu::pack_int4, sgl_cpu_vnni::pack_int4): q [N, K] uint8 in [0, 15] and
-// scale, zero [N, K / 32] with w = (q - 8) * scale + zero, checked and made contiguous, and
-// each block's fp16 pair (d, m) with w = d * q + m (GGUF Q4_1's form). Internal linkage: the
+// The inputs of both linear libraries' ops (sgl_cpu, sgl_cpu_vnni), checked: the activations
+// x [M, K], and the int4 weight as server.model.quantization hands it to the packers: q [N, K]
+// uint8 in [0, 15] and scale, zero [N, K / 32] with w = (q - 8) * scale + zero, made contiguous,
+// with each block's fp16 pair (d, m), w = d * q + m (GGUF Q4_1's form). Internal linkage: the
 // two libraries are compiled for different instruction sets and must not share symbols.
 #pragma once
 
@@ -36,6 +36,15 @@ inline Int4Source int4_source(const at::Tensor& q, const at::Tensor& scale,
               scale.size(1) == G, "scale and zero must be [N, K / 32]");
   return {q.contiguous(), scale.to(at::kFloat).contiguous(), zero.to(at::kFloat).contiguous(),
           N, K, G};
+}
+
+// x [M, K] float32/bfloat16, contiguous, on the CPU, K a multiple of `multiple`.
+inline void check_x(const at::Tensor& x, int64_t K, int64_t multiple) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x must be [M, ", K, "], got ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "x must be float32 or bfloat16, got ", x.scalar_type());
+  TORCH_CHECK(x.device().is_cpu() && x.is_contiguous(), "x must be a contiguous CPU tensor");
+  TORCH_CHECK(K % multiple == 0, "in_features must be a multiple of ", multiple, ", got ", K);
 }
 
 }  // namespace
