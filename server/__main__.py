@@ -55,9 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
       "else Triton, on CUDA; the native cpu kernel on CPU, else reference), reference, cpu, "
       "triton or flashinfer")
     a("--cpu-isa", default="auto", choices=CPU_ISAS, help="the CPU class to plan for: auto "
-      "(detected, or $SGL_CPU_ISA), none (torch's own ops only), avx2, avx512, avx512_bf16 or "
-      "amx; a lower class than the machine's runs that class's code paths, a higher one only "
-      "its dtype choice (bf16, emulated without the instructions)")
+      "(detected, or $SGL_CPU_ISA), none (torch's own ops only), avx2, avx512, avx512_vnni "
+      "(the VNNI linear kernels), avx512_bf16 or amx; a lower class than the machine's runs "
+      "that class's code paths, a higher one only its dtype choice (bf16, emulated without the "
+      "instructions)")
     a("--quantization", default="auto", choices=QUANTIZATION_MODES, help="weights kept "
       "quantized in memory: auto (a GGUF file's own 4-bit types as int4, its other quantized "
       "types as int8; float checkpoints unchanged; default), none (dequantize to --dtype), "

@@ -54,9 +54,10 @@ class ModelConfig:
             (:func:`kernels.resolve_attention_backend`).
         cpu_isa: the CPU class to plan for (:mod:`kernels.cpu_features`): "auto" (detected,
             or ``$SGL_CPU_ISA``), "none" (torch's own ops only), "avx2", "avx512",
-            "avx512_bf16" or "amx". A lower class than the machine's runs that class's code
-            paths; a higher one only its decisions (bf16 compute, emulated where the CPU
-            lacks it). Native kernels (``kernels.cpu``) run from "avx2" up.
+            "avx512_vnni", "avx512_bf16" or "amx". A lower class than the machine's runs that
+            class's code paths; a higher one only its decisions (bf16 compute, emulated where
+            the CPU lacks it). Native kernels (``kernels.cpu``) run from "avx2" up, the VNNI
+            linear kernels from "avx512_vnni" up where the CPU has VNNI (:attr:`linear_kernel`).
         context_length: max tokens per sequence (prompt + output); None = the model's own.
         served_model_name: name reported by the APIs; None = derived from the path.
         quantization: weight-only quantization kept in memory (:mod:`server.model.quantization`):
