@@ -13,7 +13,6 @@ sandwich norms, no experts, one RoPE table, no tensor parallelism and no torch.c
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from server.model.quantization import QuantLinear
 
@@ -38,8 +37,6 @@ def unsupported_reason(model, attention) -> str | None:
     if dtype not in (torch.float32, torch.bfloat16):
         return f"dtype {dtype}"
     for layer in model.layers:
-        if layer.act is not F.silu:
-            return "not SiLU"
         for name in _PROJECTIONS:
             linear = getattr(layer, name)
             if not isinstance(linear, QuantLinear) or not linear.native or linear.dense is not None:

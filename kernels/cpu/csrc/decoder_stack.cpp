@@ -20,7 +20,6 @@
 
 #include "ops.h"
 
-#include <string>
 #include <vector>
 
 namespace sgl_cpu {

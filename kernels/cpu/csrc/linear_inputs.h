@@ -9,6 +9,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <utility>
 
 namespace sgl_cpu {
 namespace {

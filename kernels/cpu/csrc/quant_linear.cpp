@@ -193,7 +193,6 @@ inline void with_tile(int64_t nt, int64_t mt, F&& f) {
   else by_mt(std::integral_constant<int, 1>{});
 }
 
-
 }  // namespace
 
 // q [N, K] uint8 in [0, 15], scale/zero [N, K / 32] float32 with w = (q - 8) * scale + zero

@@ -62,11 +62,14 @@ inline __m512 load16(const c10::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-// round-to-nearest-even, as c10::BFloat16 (NaN stays NaN)
+// round-to-nearest-even, NaN -> 0x7FC0: exactly c10::BFloat16(float), in registers
 inline void store16(c10::BFloat16* p, __m512 v) {
-  alignas(64) float buf[16];
-  _mm512_store_ps(buf, v);
-  for (int i = 0; i < 16; ++i) p[i] = static_cast<c10::BFloat16>(buf[i]);
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(
+      _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb)), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
 }
 template <typename T>
 inline void store_n(T* p, __m512 v, int64_t n) {
@@ -300,8 +303,6 @@ at::Tensor run_linear(const at::Tensor& x, int64_t N, Tile&& tile) {
   else run(x.data_ptr<c10::BFloat16>(), y.data_ptr<c10::BFloat16>());
   return y;
 }
-
-
 
 }  // namespace
 
