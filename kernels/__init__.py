@@ -99,13 +99,15 @@ def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtyp
 
 def create_attention_backend(name: str, k_buffers: list[torch.Tensor],
                              v_buffers: list[torch.Tensor],
-                             windowed: bool = False) -> AttentionBackend:
+                             windowed: bool = False, cpu_isa: str | None = None) -> AttentionBackend:
     """Build attention backend ``name`` (see :func:`resolve_attention_backend`) over the pool's
     per-layer buffers ([capacity, num_kv_heads, head_dim] each); ``windowed``: the model calls
-    ``attend`` with sliding windows or soft-capping. Raises ValueError for an unknown or
-    unavailable backend."""
+    ``attend`` with sliding windows or soft-capping; ``cpu_isa``: the configured CPU class
+    (default: probed), which picks the "cpu" backend's kernel
+    (:func:`kernels.cpu.attention_kernel`). Raises ValueError for an unknown or unavailable
+    backend."""
     name = resolve_attention_backend(name, k_buffers[0].device, k_buffers[0].dtype,
-                                     k_buffers[0].shape[-1], windowed)
+                                     k_buffers[0].shape[-1], windowed, cpu_isa)
     if name == "triton":
         from kernels.triton import TritonAttention
 
@@ -115,9 +117,10 @@ def create_attention_backend(name: str, k_buffers: list[torch.Tensor],
 
         return FlashInferAttention(k_buffers, v_buffers)
     if name == "cpu":
+        from kernels import cpu as native
         from kernels.cpu.attention import CPUAttention
 
-        return CPUAttention(k_buffers, v_buffers)
+        return CPUAttention(k_buffers, v_buffers, native.attention_kernel(cpu_isa))
     return ReferenceAttention(k_buffers, v_buffers)
 
 

@@ -111,7 +111,7 @@ class Engine:
                                   quantization=mc.quantization,
                                   compile=mc.torch_compile,
                                   dense_prefill_rows=self._dense_prefill_rows(mc, linear),
-                                  native_linear=linear,
+                                  native_linear=linear, cpu_isa=mc.cpu_isa,
                                   cuda_graph_max_bs=(0 if mc.disable_cuda_graph else
                                                      min(mc.cuda_graph_max_bs,
                                                          sc.max_running_requests)),

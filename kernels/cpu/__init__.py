@@ -13,7 +13,9 @@ Linear-layer kernels (:data:`LINEAR_KERNELS`; shapes in each docstring below):
     the "avx2" kernels and faster than oneDNN's dense bf16 matmul at every row count on an
     AVX512-BF16 CPU (README, "Native CPU linear layers").
 Both compute every output row bitwise independently of the other rows of the batch.
-``attention`` and the fused decoder-layer ops: :mod:`kernels.cpu.attention`.
+Attention (:mod:`kernels.cpu.attention`): ``sgl_cpu::attention`` (AVX2) and
+``sgl_cpu_vnni::attention`` (AVX-512, 16-lane scores), one driver (``csrc/attention_impl.h``)
+over two chunk kernels; :func:`attention_kernel` picks. The fused decoder-layer ops are AVX2.
 
 Selection: :func:`unavailable_reason` says why a library cannot be used here (not built, or
 the CPU lacks its instructions); :func:`linear_kernel` picks the best linear kernel for a
@@ -81,6 +83,17 @@ def linear_kernel(cpu_isa: str) -> str | None:
         if at_least(_LIBRARIES[kernel][1], cpu_isa) and available(kernel):
             return kernel
     return None
+
+
+def attention_kernel(cpu_isa: str | None = None) -> str:
+    """The library whose attention kernel runs for CPU class ``cpu_isa`` (default: probed):
+    "avx512_vnni" from that class up where its library loads, else "avx2" (the caller checks
+    that "avx2" is available). Each computes a token's output bitwise the same in any batch;
+    the two differ from each other in the last bits (their score sums differ in order)."""
+    isa = detected_isa() if cpu_isa is None else cpu_isa
+    if at_least("avx512_vnni", isa) and available("avx512_vnni"):
+        return "avx512_vnni"
+    return "avx2"
 
 
 def k_multiple(kernel: str, kind: str) -> int:

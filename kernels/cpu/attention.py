@@ -1,6 +1,6 @@
 """:class:`CPUAttention`: the attention backend on the native ``sgl_cpu::attention`` kernel.
 
-Decode and extend passes (mixed ones too) go through one kernel that reads each sequence's
+Decode and extend passes (mixed ones too) go through one kernel (AVX2 or AVX-512, by CPU class) that reads each sequence's
 K/V rows in place through its slot indices: no gathered copy of the prefix, no padded batch,
 no mask tensor. Partitions of 512 positions run as separate work items (flash-decoding), so a
 single long sequence uses every core, and a token's output does not depend on the rest of the
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels import cpu as native
 from kernels.base import AttentionInputs
 from kernels.reference import apply_rope, rms_norm
 
@@ -21,13 +22,20 @@ class CPUAttention:
     """:class:`kernels.base.AttentionBackend` over float32/bfloat16 KV buffers on the CPU
     (``k_buffers[layer]``, ``v_buffers[layer]``: [capacity, num_kv_heads, head_dim], head_dim a
     multiple of 8 up to 256, at most 16 query heads per KV head); activations float32 or
-    bfloat16, in either KV dtype."""
+    bfloat16, in either KV dtype. ``kernel``: the library whose attention runs, "avx2"
+    (``sgl_cpu``) or "avx512_vnni" (``sgl_cpu_vnni``; :func:`kernels.cpu.attention_kernel`).
+    Raises RuntimeError when that library cannot run here."""
 
     name = "cpu"
     apply_rope = staticmethod(apply_rope)
     fused = True  # rope_store, add_rms_norm, silu_mul (server.model.llama uses them)
 
-    def __init__(self, k_buffers: list[torch.Tensor], v_buffers: list[torch.Tensor]):
+    def __init__(self, k_buffers: list[torch.Tensor], v_buffers: list[torch.Tensor],
+                 kernel: str = "avx2"):
+        native.require(kernel)
+        self.kernel = kernel
+        self._attention = (torch.ops.sgl_cpu_vnni.attention if kernel == "avx512_vnni"
+                           else torch.ops.sgl_cpu.attention)
         self.k_buffers = k_buffers
         self.v_buffers = v_buffers
         self.inputs: AttentionInputs | None = None
@@ -87,6 +95,6 @@ class CPUAttention:
         rows, prefix, extend = self._meta
         if q.stride(-1) != 1 or q.stride(-2) != q.shape[-1]:
             q = q.contiguous()
-        return torch.ops.sgl_cpu.attention(q, self.k_buffers[layer],
-                                           self.v_buffers[layer], self.inputs.req_to_token,
-                                           rows, prefix, extend, scale, window, softcap)
+        return self._attention(q, self.k_buffers[layer], self.v_buffers[layer],
+                               self.inputs.req_to_token, rows, prefix, extend, scale, window,
+                               softcap)

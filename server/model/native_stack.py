@@ -20,6 +20,8 @@ from server.model.quantization import QuantLinear
 _LINEAR_KINDS = {("avx2", "int4"): 0, ("avx2", "int8"): 1,
                  ("avx512_vnni", "int4"): 2, ("avx512_vnni", "int8"): 3}
 _PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+# decoder_stack.cpp's AttentionKind per CPUAttention.kernel
+_ATTENTION_KINDS = {"avx2": 0, "avx512_vnni": 1}
 
 
 def unsupported_reason(model, attention) -> str | None:
@@ -68,6 +70,7 @@ def build_native_stack(model, attention) -> "torch.ScriptObject | None":
         ints.append(layer.window)
     tensors.append(model.norm.data)
     first = model.layers[0]
-    ints += [first.num_heads, first.num_kv_heads, first.head_dim]
+    ints += [first.num_heads, first.num_kv_heads, first.head_dim,
+             _ATTENTION_KINDS[attention.kernel]]
     return cls(tensors, ints, list(attention.k_buffers), list(attention.v_buffers),
                [float(first.eps), float(first.scale), float(first.softcap or 0.0)])

@@ -49,6 +49,8 @@ class ModelRunner:
         native_linear: the ``kernels.cpu`` linear kernel quantized linears run on ("avx2",
             "avx512_vnni"; :class:`server.model.quantization.QuantLinear`), or None; the caller
             checks availability.
+        cpu_isa: the configured CPU class (``--cpu-isa``; None = probed): picks the native
+            attention kernel (:func:`kernels.cpu.attention_kernel`).
     """
 
     def __init__(self, loaded: LoadedModel, kv_pool: TokenKVPool, *, dtype: torch.dtype,
@@ -56,7 +58,7 @@ class ModelRunner:
                  quantization: str = "none", compile: bool = False,
                  compile_cache_dir: str | None = DEFAULT_CACHE_DIR,
                  dense_prefill_rows: int | None = None, native_linear: str | None = None,
-                 cuda_graph_max_bs: int = 0,
+                 cpu_isa: str | None = None, cuda_graph_max_bs: int = 0,
                  req_to_token: torch.Tensor | None = None, tp: TPGroup | None = None):
         arch = loaded.arch
         if len(kv_pool.k_buffers) != arch.num_layers:
@@ -86,7 +88,8 @@ class ModelRunner:
             self.vision.load_weights(loaded.weights())
         self.kv_pool = kv_pool
         self.attention = create_attention_backend(attention_backend, kv_pool.k_buffers,
-                                                  kv_pool.v_buffers, windowed=arch.windowed)
+                                                  kv_pool.v_buffers, windowed=arch.windowed,
+                                                  cpu_isa=cpu_isa)
         compile = compile and tp is None
         self.compiled = compile and self.device.type == "cpu"
         if not self.compiled and self.device.type == "cpu":

@@ -168,7 +168,8 @@ def run_worker(rank: int, pc: ParallelConfig, init_addr: str, device: str, threa
                        device=device)
     runner = ModelRunner(loaded, pool, dtype=mc.torch_dtype, device=device,
                          max_positions=mc.context_length,
-                         attention_backend=mc.attention_backend, tp=TPGroup(shard))
+                         attention_backend=mc.attention_backend, cpu_isa=mc.cpu_isa,
+                         tp=TPGroup(shard))
     log.info("rank %d ready: query heads %s, KV heads %s, intermediate %s", rank,
              shard.q_heads, shard.kv_heads, shard.inter)
     try:

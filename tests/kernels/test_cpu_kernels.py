@@ -103,6 +103,18 @@ def test_bad_shapes_are_errors_not_crashes():
         native.int4_linear(torch.randn(2, 64).half(), packed, 32)
 
 
+@pytest.fixture(params=["avx2", "avx512_vnni"])
+def attention_op(request):
+    """Each native attention kernel this machine can run (sgl_cpu's AVX2 one, sgl_cpu_vnni's
+    AVX-512 one)."""
+    reason = native.unavailable_reason(request.param)
+    if reason is not None:
+        pytest.skip(f"{request.param} attention: {reason}")
+    from kernels.cpu.attention import CPUAttention
+
+    return CPUAttention([], [], request.param)._attention
+
+
 def _pool(capacity: int, hkv: int, d: int, dtype, rows: int = 4, max_len: int = 1500):
     torch.manual_seed(0)
     k = torch.randn(capacity, hkv, d).to(dtype)
@@ -115,17 +127,19 @@ def _pool(capacity: int, hkv: int, d: int, dtype, rows: int = 4, max_len: int = 
 @pytest.mark.parametrize("dtype,kv_dtype", [(torch.float32, torch.float32),
                                             (torch.bfloat16, torch.bfloat16),
                                             (torch.float32, torch.bfloat16)])
-@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 4, 32), (8, 1, 128)])
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 4, 32), (8, 1, 128), (6, 2, 40),
+                                      (5, 1, 8)])
 @pytest.mark.parametrize("window,softcap", [(0, 0.0), (300, 0.0), (0, 20.0)])
-def test_attention_matches_the_reference(dtype, kv_dtype, hq, hkv, d, window, softcap):
+def test_attention_matches_the_reference(attention_op, dtype, kv_dtype, hq, hkv, d, window,
+                                         softcap):
     """float32 activations over a bfloat16 pool (--kv-cache-dtype bfloat16) included: both
     sides read the same rounded K/V and accumulate in float32."""
     k, v, table = _pool(4096, hkv, d, kv_dtype)
     rows, prefix, ext = [0, 2, 3], [0, 700, 1100], [37, 1, 300]
     q = torch.randn(sum(ext), hq, d).to(dtype)
     ref = extend_attention(q, k, v, table, rows, prefix, ext, d ** -0.5, window, softcap)
-    out = torch.ops.sgl_cpu.attention(q, k, v, table, torch.tensor(rows), torch.tensor(prefix),
-                                      torch.tensor(ext), d ** -0.5, window, softcap)
+    out = attention_op(q, k, v, table, torch.tensor(rows), torch.tensor(prefix),
+                       torch.tensor(ext), d ** -0.5, window, softcap)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert out.dtype == dtype and (out.float() - ref.float()).abs().max() < tol
 
@@ -165,7 +179,7 @@ def test_rope_store_rotates_like_the_reference_and_rounds_kv_to_the_pool(dtype, 
 
 @needs_native
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
-def test_attention_of_a_token_is_the_same_in_decode_and_in_any_extend(kv_dtype):
+def test_attention_of_a_token_is_the_same_in_decode_and_in_any_extend(attention_op, kv_dtype):
     """Bitwise: token p of a sequence computed in a long extend, in a short extend over the
     cached prefix, and as a decode step beside other sequences (with a bf16 pool, a decode reads
     K/V rows in place while an extend tile stages them as float32: the same bits either way)."""
@@ -174,15 +188,34 @@ def test_attention_of_a_token_is_the_same_in_decode_and_in_any_extend(kv_dtype):
     scale = 0.125
 
     def run(rows, prefix, ext, qs):
-        return torch.ops.sgl_cpu.attention(qs.contiguous(), k, v, table, torch.tensor(rows),
-                                           torch.tensor(prefix), torch.tensor(ext), scale, 0,
-                                           0.0)
+        return attention_op(qs.contiguous(), k, v, table, torch.tensor(rows),
+                            torch.tensor(prefix), torch.tensor(ext), scale, 0, 0.0)
 
     whole = run([1], [0], [1200], q)
     chunk = run([1], [1000], [200], q[1000:])
     decode = run([0, 1, 2], [50, 1199, 900], [1, 1, 1], torch.stack([q[0], q[1199], q[5]]))
     assert torch.equal(whole[1000:], chunk)
     assert torch.equal(whole[1199], decode[1])
+    # a tile's neighbours: the same tokens in tiles cut elsewhere, beside another sequence
+    mixed = run([2, 1], [0, 990], [37, 210], torch.cat([q[:37], q[990:]]))
+    assert torch.equal(whole[990:], mixed[37:])
+
+
+@needs_native
+def test_the_attention_kernel_follows_the_cpu_class(make_tiny_model):
+    """The AVX-512 attention where the class allows it and its library runs; --cpu-isa avx2
+    keeps the AVX2 one (so either path can be tested on a bigger machine)."""
+    from server.engine import Engine
+
+    path, _ = make_tiny_model("llama")
+    forced = Engine(path, max_total_tokens=512, context_length=128, dtype="float32",
+                    cpu_isa="avx2")
+    assert forced.runner.attention.kernel == "avx2"
+    if native.available("avx512_vnni"):
+        assert native.attention_kernel("avx512_vnni") == "avx512_vnni"
+        best = Engine(path, max_total_tokens=512, context_length=128, dtype="float32")
+        assert best.runner.attention.kernel == "avx512_vnni"
+    assert native.attention_kernel("avx2") == "avx2"
 
 
 @needs_native

@@ -1,30 +1,20 @@
-// One chunk of CHUNK positions of sgl_cpu::attention's online softmax (attention.cpp): the
-// scores of every (query token, head) unit of a tile, their running max / sum updates, and their
-// P.V sums, over K/V rows that are read in place (float32 or bfloat16) or were staged as float32.
+// The AVX2 chunk kernel of sgl_cpu::attention (attention_impl.h): one chunk of CHUNK positions of
+// the online softmax: the scores of every (query token, head) unit of a tile, their running max /
+// sum updates, and their P.V sums, over K/V rows that are read in place (float32 or bfloat16) or
+// were staged as float32.
 #pragma once
 
 #include <immintrin.h>
 
+#include "attention_common.h"
 #include "vec.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <limits>
 
 namespace sgl_cpu {
 namespace {
-
-constexpr int64_t CHUNK = 32;  // positions per online-softmax step (aligned to multiples of it)
-constexpr int64_t TILE = 8;    // query tokens of one sequence per work item
-constexpr int MAX_GROUP = 16;  // query heads per KV head
-constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
-
-inline float exp1(float x) {
-  alignas(32) float buf[8] = {x, 0, 0, 0, 0, 0, 0, 0};
-  _mm256_store_ps(buf, exp256(_mm256_load_ps(buf)));
-  return buf[0];
-}
 
 // The 8 lane sums of a[0..7] as one vector (lane j = hsum(a[j])), in one fixed order.
 inline __m256 reduce8(const __m256* a) {
@@ -35,23 +25,6 @@ inline __m256 reduce8(const __m256* a) {
   const __m256 lo = _mm256_permute2f128_ps(u0, u1, 0x20), hi = _mm256_permute2f128_ps(u0, u1, 0x31);
   return _mm256_add_ps(lo, hi);
 }
-
-inline float hmax(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_max_ss(m, _mm_movehdup_ps(m));
-  return _mm_cvtss_f32(m);
-}
-
-// Rows of one chunk: for each of its CHUNK positions, the K and V rows (float32 or bfloat16,
-// [D] each), or nullptr for positions outside [a, e) (their scores are masked, they add nothing).
-template <typename T>
-struct ChunkRows {
-  const T* k[CHUNK];
-  const T* v[CHUNK];
-  const char* ahead[CHUNK][2];  // K and V rows AHEAD positions on, to prefetch (or nullptr)
-  int64_t ahead_bytes;          // bytes per such row
-};
 
 // Scores of U (query token, head) units over one chunk: sc[u][j] = q[u] . k[j] (0 for missing
 // rows). Each K row is converted once for the U units; every dot is one fixed chain (a multiply,
@@ -131,12 +104,14 @@ inline void pv_units(float* const* acc, const float* const* p, const float* corr
   }
 }
 
-// One chunk of the online softmax for `units` (query token, head) units: scores (qk_block, four
-// units per K row conversion), each unit's running max / sum update and probabilities, then the
-// P.V sums (pv_units, three units per V row conversion).
+// The AVX2 chunk kernel (attention_common.h states the contract): scores (qk_block, four units
+// per K row conversion; a score is 8 lanes of one FMA chain each, summed by reduce8), each
+// unit's running max / sum update and probabilities, then the P.V sums (pv_units, three units
+// per V row conversion).
+struct Avx2Chunk {
 template <int NV, typename T>
-void attend_chunk(const ChunkRows<T>& rows, int units, const float* const* q, float* const* out,
-                  const __m256* const* valid, float softcap, float* prs) {
+static void attend(const ChunkRows<T>& rows, int units, const float* const* q, float* const* out,
+                   const float* const* valid, float softcap, float* prs) {
   constexpr int64_t D = 8 * NV;
   __m256 sc[4][CHUNK / 8];
   float* accs[TILE * MAX_GROUP];
@@ -159,7 +134,8 @@ void attend_chunk(const ChunkRows<T>& rows, int units, const float* const* q, fl
           for (int j = 0; j < 8; ++j) buf[j] = softcap * std::tanh(buf[j] / softcap);
           sc[i][v] = _mm256_load_ps(buf);
         }
-        if (valid[u] != nullptr) sc[i][v] = _mm256_add_ps(sc[i][v], valid[u][v]);  // -inf: masked
+        if (valid[u] != nullptr)  // -inf: masked
+          sc[i][v] = _mm256_add_ps(sc[i][v], _mm256_loadu_ps(valid[u] + 8 * v));
       }
       float* o = out[u];
       float* pr = prs + u * CHUNK;
@@ -186,6 +162,7 @@ void attend_chunk(const ChunkRows<T>& rows, int units, const float* const* q, fl
   if (units - u == 2) pv_units<2>(accs + u, ps + u, corrs + u, rows, D);
   else if (units - u == 1) pv_units<1>(accs + u, ps + u, corrs + u, rows, D);
 }
+};
 
 }  // namespace
 }  // namespace sgl_cpu

@@ -20,6 +20,7 @@
 
 #include "ops.h"
 
+#include <optional>
 #include <vector>
 
 namespace sgl_cpu {
@@ -28,6 +29,12 @@ namespace {
 // Linear kernel codes (server/model/native_stack.py writes them): which op runs a QuantLinear.
 enum LinearKind : int64_t { AVX2_INT4 = 0, AVX2_INT8 = 1, VNNI_INT4 = 2, VNNI_INT8 = 3 };
 
+// Attention kernel codes (native_stack.py): sgl_cpu::attention, sgl_cpu_vnni::attention.
+enum AttentionKind : int64_t { AVX2_ATTENTION = 0, AVX512_ATTENTION = 1 };
+
+using AttentionOp = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                               const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                               const at::Tensor&, double, int64_t, double);
 using Int4Op = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t);
 using Int8Op = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&);
 
@@ -74,7 +81,8 @@ struct Linear {
 //       qkv_proj, o_proj, gate_up_proj, down_proj each: packed, scales, bias (a 0-element
 //       tensor when none) = 14 tensors a layer; then the final norm [H].
 //   ints: per layer: the four linears' (kind, out_features), then the sliding window
-//       (0 = none) = 9 ints a layer; then num_q, num_kv, head_dim.
+//       (0 = none) = 9 ints a layer; then num_q, num_kv, head_dim and the attention kernel
+//       (AttentionKind).
 //   k_buffers, v_buffers: the KV pool's per-layer buffers [capacity, num_kv, head_dim].
 //   floats: rms_norm_eps, attention scale, attention-logit soft-cap (0 = none).
 class DecoderStack : public torch::CustomClassHolder {
@@ -85,9 +93,9 @@ class DecoderStack : public torch::CustomClassHolder {
       : k_(std::move(k_buffers)), v_(std::move(v_buffers)) {
     const size_t layers = k_.size();
     TORCH_CHECK(v_.size() == layers && tensors.size() == 14 * layers + 1 &&
-                ints.size() == 9 * layers + 3 && floats.size() == 3,
+                ints.size() == 9 * layers + 4 && floats.size() == 3,
                 "DecoderStack: ", layers, " layers need 14 tensors and 9 ints each (+1 tensor, "
-                "+3 ints) and 3 floats; got ", tensors.size(), ", ", ints.size(), ", ",
+                "+4 ints) and 3 floats; got ", tensors.size(), ", ", ints.size(), ", ",
                 floats.size());
     for (size_t l = 0; l < layers; ++l) {
       const at::Tensor* t = &tensors[14 * l];
@@ -106,6 +114,11 @@ class DecoderStack : public torch::CustomClassHolder {
     num_q_ = ints[9 * layers];
     num_kv_ = ints[9 * layers + 1];
     head_dim_ = ints[9 * layers + 2];
+    attention_kind_ = ints[9 * layers + 3];
+    TORCH_CHECK(attention_kind_ == AVX2_ATTENTION || attention_kind_ == AVX512_ATTENTION,
+                "unknown attention kind ", attention_kind_);
+    if (attention_kind_ == AVX512_ATTENTION)
+      attention512_ = op<AttentionOp>("sgl_cpu_vnni::attention");
     eps_ = floats[0];
     scale_ = floats[1];
     softcap_ = floats[2];
@@ -136,8 +149,11 @@ class DecoderStack : public torch::CustomClassHolder {
       at::Tensor o;
       {
         RECORD_FUNCTION("sgl_cpu::attention", std::vector<c10::IValue>());
-        o = attention(q, k_[l], v_[l], req_to_token, req_rows, prefix_lens, extend_lens,
-                      scale_, layer.window, softcap_);
+        o = attention_kind_ == AVX512_ATTENTION
+                ? attention512_->call(q, k_[l], v_[l], req_to_token, req_rows, prefix_lens,
+                                      extend_lens, scale_, layer.window, softcap_)
+                : attention(q, k_[l], v_[l], req_to_token, req_rows, prefix_lens, extend_lens,
+                            scale_, layer.window, softcap_);
       }
       o = layer.linears[1](o.reshape({T, -1}));
       {
@@ -168,7 +184,8 @@ class DecoderStack : public torch::CustomClassHolder {
   std::vector<Layer> layers_;
   std::vector<at::Tensor> k_, v_;
   at::Tensor final_norm_;
-  int64_t num_q_ = 0, num_kv_ = 0, head_dim_ = 0;
+  int64_t num_q_ = 0, num_kv_ = 0, head_dim_ = 0, attention_kind_ = AVX2_ATTENTION;
+  std::optional<c10::TypedOperatorHandle<AttentionOp>> attention512_;
   double eps_ = 0, scale_ = 0, softcap_ = 0;
 };
 

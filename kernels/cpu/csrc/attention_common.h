@@ -1,0 +1,56 @@
+// What sgl_cpu::attention's driver (attention_impl.h) and its per-ISA chunk kernels
+// (attention_chunk.h: AVX2, csrc_vnni/attention_chunk512.h: AVX-512) share: the chunk and tile
+// sizes and the K/V rows of one chunk.
+#pragma once
+
+#include <immintrin.h>
+
+#include "vec.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+namespace sgl_cpu {
+namespace {
+
+constexpr int64_t CHUNK = 32;  // positions per online-softmax step (aligned to multiples of it)
+constexpr int64_t TILE = 16;   // query tokens of one sequence per work item
+constexpr int MAX_GROUP = 16;  // query heads per KV head
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+// A chunk kernel (attention_chunk.h's Avx2Chunk, attention_chunk512.h's Avx512Chunk) provides
+//   template <int NV, typename T> static void attend(const ChunkRows<T>& rows, int units,
+//       const float* const* q, float* const* out, const float* const* valid, float softcap,
+//       float* prs);
+// one chunk of the online softmax for `units` (query token, head) units: q[u] [8 NV] float32
+// (pre-scaled), out[u] = (running max m, running sum l, acc [8 NV]) updated in place, valid[u]
+// [CHUNK] 0 / -inf per position (nullptr: every position valid), prs scratch [units][CHUNK].
+// Each unit's arithmetic must not depend on the other units it is computed with.
+
+inline float exp1(float x) {
+  alignas(32) float buf[8] = {x, 0, 0, 0, 0, 0, 0, 0};
+  _mm256_store_ps(buf, exp256(_mm256_load_ps(buf)));
+  return buf[0];
+}
+
+inline float hmax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+// Rows of one chunk: for each of its CHUNK positions, the K and V rows (float32 or bfloat16,
+// [D] each), or nullptr for positions outside [a, e) (their scores are masked, they add nothing).
+template <typename T>
+struct ChunkRows {
+  const T* k[CHUNK];
+  const T* v[CHUNK];
+  const char* ahead[CHUNK][2];  // K and V rows AHEAD positions on, to prefetch (or nullptr)
+  int64_t ahead_bytes;          // bytes per such row
+};
+
+}  // namespace
+}  // namespace sgl_cpu

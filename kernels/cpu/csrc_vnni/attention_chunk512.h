@@ -1,0 +1,256 @@
+// The AVX-512 chunk kernel of sgl_cpu_vnni::attention (the driver: ../csrc/attention_impl.h; the
+// contract: ../csrc/attention_common.h): one chunk of CHUNK positions of the online softmax, the
+// scores of every (query token, head) unit of a tile, their running max / sum updates and their
+// P.V sums, 16 lanes a vector.
+//
+// A score q . k is 16 lane partials, lane i the FMA chain over dims i, i + 16, ... in order
+// (a multiply, then one FMA per 16 dims), summed across lanes by one fixed tree (reduce16). The
+// partials of 16 positions are reduced together, so a score costs D / 16 FMAs and about one
+// shuffle-add rather than a horizontal sum of its own, and the tree is the same for every
+// position, unit and chunk: a unit's scores are bitwise the same whatever units, tile or batch
+// it is computed with, in a decode step or an extend pass. P.V sums are 16-lane FMA chains over
+// positions in order, as the AVX2 kernel's.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+
+#include "../csrc/attention_common.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+namespace sgl_cpu {
+namespace {
+
+#define SGL_INLINE inline __attribute__((always_inline))
+
+static_assert(CHUNK == 32, "the kernel holds a chunk's scores in two vectors");
+
+SGL_INLINE __m512 load16(const float* p, __mmask16 m) {
+  return m == 0xFFFF ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(m, p);
+}
+SGL_INLINE __m512 load16(const c10::BFloat16* p, __mmask16 m) {
+  const __m256i h = m == 0xFFFF ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                                : _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// the lanes of the first `n` (0 .. 16, clamped) of 16 floats
+SGL_INLINE __mmask16 lanes(int64_t n) {
+  return n >= 16 ? __mmask16(0xFFFF) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1);
+}
+
+// exp(x), the Cephes polynomial of vec.h's exp256 on 16 lanes; x < -87.3 (so -inf) gives 0.
+SGL_INLINE __m512 exp512(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-87.3f);
+  const __mmask16 keep = _mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ);
+  x = _mm512_min_ps(_mm512_max_ps(x, lo), _mm512_set1_ps(88.3f));
+  __m512 fx = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f));
+  fx = _mm512_roundscale_ps(fx, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 x2 = _mm512_mul_ps(x, x);
+  y = _mm512_fmadd_ps(y, x2, _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+  const __m512i e = _mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127));
+  y = _mm512_mul_ps(y, _mm512_castsi512_ps(_mm512_slli_epi32(e, 23)));
+  return _mm512_maskz_mov_ps(keep, y);
+}
+
+// reduce16's stages: each takes vectors a and b of partials and returns one vector holding,
+// in half its lanes, a's partials summed pairwise, in the other half b's.
+SGL_INLINE __m512 fold256(__m512 a, __m512 b) {  // lanes i, i + 8
+  return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+}
+SGL_INLINE __m512 fold128(__m512 a, __m512 b) {  // 128-bit blocks 0, 1 and 2, 3
+  return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+}
+SGL_INLINE __m512 fold64(__m512 a, __m512 b) {  // lanes 0, 2 and 1, 3 of each block
+  const __m512d x = _mm512_castps_pd(a), y = _mm512_castps_pd(b);
+  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                       _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+}
+SGL_INLINE __m512 fold32(__m512 a, __m512 b) {  // lanes 0, 1 and 2, 3 of each block
+  return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x88), _mm512_shuffle_ps(a, b, 0xDD));
+}
+
+// reduce16(s) = the 16 lane sums of the partial vectors of slots s = 0 .. 15, one lane each:
+// fold256(s, s + 8) -> fold128(., . + 4) -> fold64(., . + 2) -> fold32; every slot's lanes are
+// added by the same tree ((l0 + l8) + (l4 + l12)) + ... Lane p of the result is the sum of slot
+// SLOT_OF[p]'s partials, so putting position p in slot SLOT_OF[p] gives the scores in order (the
+// map is its own inverse).
+constexpr int SLOT_OF[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
+
+// The lane partials d[u] of q[u] . k for the U units (zero when k is missing).
+template <int U, int NV16, typename T>
+SGL_INLINE void partials(const __m512 (*qv)[NV16], const T* k, __mmask16 tail, __m512* d) {
+  if (k == nullptr) {
+    for (int u = 0; u < U; ++u) d[u] = _mm512_setzero_ps();
+    return;
+  }
+  const __m512 k0 = NV16 > 1 ? load16(k, 0xFFFF) : load16(k, tail);
+  for (int u = 0; u < U; ++u) d[u] = _mm512_mul_ps(qv[u][0], k0);
+  for (int t = 1; t < NV16; ++t) {
+    const __m512 kt = load16(k + 16 * t, t + 1 < NV16 ? __mmask16(0xFFFF) : tail);
+    for (int u = 0; u < U; ++u) d[u] = _mm512_fmadd_ps(qv[u][t], kt, d[u]);
+  }
+}
+
+// fold128(fold256(slots s, s + 8), fold256(slots s + 4, s + 12)) of positions base + SLOT_OF[.]
+template <int U, int NV16, typename T>
+SGL_INLINE void quarter(const __m512 (*qv)[NV16], const ChunkRows<T>& rows, int base, int s,
+                        __mmask16 tail, __m512* out) {
+  __m512 a[U], b[U], z[U];
+  for (int i = 0; i < 2; ++i) {
+    const int s0 = s + 4 * i;
+    for (int j : {base + SLOT_OF[s0], base + SLOT_OF[s0 + 8]})
+      for (int r = 0; r < 2; ++r)
+        if (const char* nx = rows.ahead[j][r])
+          for (int64_t o = 0; o < rows.ahead_bytes; o += 64) _mm_prefetch(nx + o, _MM_HINT_T0);
+    partials<U, NV16>(qv, rows.k[base + SLOT_OF[s0]], tail, a);
+    partials<U, NV16>(qv, rows.k[base + SLOT_OF[s0 + 8]], tail, b);
+    for (int u = 0; u < U; ++u) {
+      const __m512 f = fold256(a[u], b[u]);
+      if (i == 0) z[u] = f;
+      else out[u] = fold128(z[u], f);
+    }
+  }
+}
+
+// Scores of U (query token, head) units over one chunk: sc[u][h] lane i = q[u] . k[16 h + i]
+// (0 for missing rows). Each K row is loaded (converted) once for the U units.
+template <int U, int NV16, typename T>
+SGL_INLINE void qk_block(const float* const* q, const ChunkRows<T>& rows, __mmask16 tail,
+                         __m512 (*sc)[CHUNK / 16]) {
+  __m512 qv[U][NV16];
+  for (int u = 0; u < U; ++u)
+    for (int t = 0; t < NV16; ++t)
+      qv[u][t] = load16(q[u] + 16 * t, t + 1 < NV16 ? __mmask16(0xFFFF) : tail);
+  for (int h = 0; h < CHUNK / 16; ++h) {
+    __m512 a[U], b[U], u0[U];
+    quarter<U, NV16>(qv, rows, 16 * h, 0, tail, a);
+    quarter<U, NV16>(qv, rows, 16 * h, 2, tail, b);
+    for (int u = 0; u < U; ++u) u0[u] = fold64(a[u], b[u]);
+    quarter<U, NV16>(qv, rows, 16 * h, 1, tail, a);
+    quarter<U, NV16>(qv, rows, 16 * h, 3, tail, b);
+    for (int u = 0; u < U; ++u) sc[u][h] = fold32(u0[u], fold64(a[u], b[u]));
+  }
+}
+
+// acc[u][d0 .. d0 + 64) = acc * corr[u] + sum_j p[u][j] * v[j][d0 ..] over one chunk (missing
+// rows skipped: their p is 0) for U units sharing each V row; lanes past D are masked. Each
+// accumulator lane's arithmetic (the rescale, then one FMA per position in order) does not
+// depend on the units it is blocked with.
+template <int U, bool FULL, typename T>
+SGL_INLINE void pv_block(float* const* acc, const float* const* p, const float* corr,
+                         const ChunkRows<T>& rows, int64_t d0, int64_t D) {
+  constexpr int W = 4;
+  __mmask16 m[W];
+  for (int w = 0; w < W; ++w) m[w] = FULL ? __mmask16(0xFFFF) : lanes(D - d0 - 16 * w);
+  __m512 a[U][W];
+  for (int u = 0; u < U; ++u) {
+    const __m512 c = _mm512_set1_ps(corr[u]);
+    for (int w = 0; w < W; ++w) a[u][w] = _mm512_mul_ps(load16(acc[u] + d0 + 16 * w, m[w]), c);
+  }
+  for (int64_t j = 0; j < CHUNK; ++j) {
+    const T* vrow = rows.v[j];
+    if (vrow == nullptr) continue;
+    __m512 vv[W];
+    for (int w = 0; w < W; ++w)
+      vv[w] = FULL ? load16(vrow + d0 + 16 * w, 0xFFFF) : load16(vrow + d0 + 16 * w, m[w]);
+    for (int u = 0; u < U; ++u) {
+      const __m512 pj = _mm512_set1_ps(p[u][j]);
+      for (int w = 0; w < W; ++w) a[u][w] = _mm512_fmadd_ps(pj, vv[w], a[u][w]);
+    }
+  }
+  for (int u = 0; u < U; ++u)
+    for (int w = 0; w < W; ++w) _mm512_mask_storeu_ps(acc[u] + d0 + 16 * w, m[w], a[u][w]);
+}
+
+template <int U, typename T>
+void pv_units(float* const* acc, const float* const* p, const float* corr,
+              const ChunkRows<T>& rows, int64_t D) {
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {
+    if (d0 + 64 <= D) pv_block<U, true>(acc, p, corr, rows, d0, D);
+    else pv_block<U, false>(acc, p, corr, rows, d0, D);
+  }
+}
+
+struct Avx512Chunk {
+  template <int NV, typename T>
+  static void attend(const ChunkRows<T>& rows, int units, const float* const* q,
+                     float* const* out, const float* const* valid, float softcap, float* prs) {
+    constexpr int64_t D = 8 * NV;
+    constexpr int NV16 = (NV + 1) / 2;
+    const __mmask16 tail = NV % 2 ? __mmask16(0x00FF) : __mmask16(0xFFFF);
+    constexpr int QU = NV16 <= 4 ? 4 : 2;  // units per K row load: q of QU units in registers
+    __m512 sc[QU][CHUNK / 16];
+    float* accs[TILE * MAX_GROUP];
+    const float* ps[TILE * MAX_GROUP];
+    float corrs[TILE * MAX_GROUP];
+    for (int u0 = 0; u0 < units; u0 += QU) {
+      const int n = std::min(QU, units - u0);
+      switch (n) {
+        case 4: if constexpr (QU == 4) qk_block<4, NV16>(q + u0, rows, tail, sc); break;
+        case 3: if constexpr (QU == 4) qk_block<3, NV16>(q + u0, rows, tail, sc); break;
+        case 2: qk_block<2, NV16>(q + u0, rows, tail, sc); break;
+        default: qk_block<1, NV16>(q + u0, rows, tail, sc); break;
+      }
+      // each unit's new running max, and its rescale exp(m_old - m_new) for all n units in
+      // one vector (0 where m_old is -inf: nothing accumulated yet)
+      alignas(64) float delta[16] = {};
+      float mxs[QU];
+      for (int i = 0; i < n; ++i) {
+        const int u = u0 + i;
+        for (int h = 0; h < CHUNK / 16; ++h) {
+          if (softcap > 0.0f) {
+            alignas(64) float buf[16];
+            _mm512_store_ps(buf, sc[i][h]);
+            for (int j = 0; j < 16; ++j) buf[j] = softcap * std::tanh(buf[j] / softcap);
+            sc[i][h] = _mm512_load_ps(buf);
+          }
+          if (valid[u] != nullptr)  // -inf: masked
+            sc[i][h] = _mm512_add_ps(sc[i][h], _mm512_loadu_ps(valid[u] + 16 * h));
+        }
+        const float m = out[u][0];
+        mxs[i] = std::max(m, _mm512_reduce_max_ps(_mm512_max_ps(sc[i][0], sc[i][1])));
+        delta[i] = m == NEG_INF ? NEG_INF : m - mxs[i];
+      }
+      _mm512_store_ps(delta, exp512(_mm512_load_ps(delta)));  // exp(-inf) = 0
+      for (int i = 0; i < n; ++i) {
+        const int u = u0 + i;
+        float* o = out[u];
+        float* pr = prs + u * CHUNK;
+        const __m512 mxv = _mm512_set1_ps(mxs[i]);
+        const __m512 p0 = exp512(_mm512_sub_ps(sc[i][0], mxv));  // 0 on masked lanes
+        const __m512 p1 = exp512(_mm512_sub_ps(sc[i][1], mxv));
+        _mm512_storeu_ps(pr, p0);
+        _mm512_storeu_ps(pr + 16, p1);
+        o[1] = o[1] * delta[i] + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+        o[0] = mxs[i];
+        accs[u] = o + 2;
+        ps[u] = pr;
+        corrs[u] = delta[i];
+      }
+    }
+    int u = 0;
+    for (; u + 4 <= units; u += 4) pv_units<4>(accs + u, ps + u, corrs + u, rows, D);
+    switch (units - u) {
+      case 3: pv_units<3>(accs + u, ps + u, corrs + u, rows, D); break;
+      case 2: pv_units<2>(accs + u, ps + u, corrs + u, rows, D); break;
+      case 1: pv_units<1>(accs + u, ps + u, corrs + u, rows, D); break;
+    }
+  }
+};
+
+#undef SGL_INLINE
+
+}  // namespace
+}  // namespace sgl_cpu
