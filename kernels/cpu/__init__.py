@@ -13,9 +13,12 @@ Linear-layer kernels (:data:`LINEAR_KERNELS`; shapes in each docstring below):
     the "avx2" kernels and faster than oneDNN's dense bf16 matmul at every row count on an
     AVX512-BF16 CPU (README, "Native CPU linear layers").
 Both compute every output row bitwise independently of the other rows of the batch.
-Attention (:mod:`kernels.cpu.attention`): ``sgl_cpu::attention`` (AVX2) and
-``sgl_cpu_vnni::attention`` (AVX-512, 16-lane scores), one driver (``csrc/attention_impl.h``)
-over two chunk kernels; :func:`attention_kernel` picks. The fused decoder-layer ops are AVX2.
+Attention kernels (:data:`ATTENTION_KERNELS`, :mod:`kernels.cpu.attention`), one driver
+(``csrc/attention_impl.h``) over three chunk kernels: "avx2" (``sgl_cpu::attention``),
+"avx512_vnni" (``sgl_cpu_vnni::attention``: float32 FMAs on 16 lanes) and "avx512_bf16"
+(``sgl_cpu_vnni::attention_bf16``: bf16 dot products where q and K/V are bfloat16 and head_dim
+is a multiple of 32, else the float32 AVX-512 path); :func:`attention_kernel` picks. The fused
+decoder-layer ops are AVX2.
 
 Selection: :func:`unavailable_reason` says why a library cannot be used here (not built, or
 the CPU lacks its instructions); :func:`linear_kernel` picks the best linear kernel for a
@@ -38,6 +41,11 @@ LIBRARY = os.path.join(BUILD_DIR, "sgl_cpu.so")  # kernels.cpu.build writes both
 VNNI_LIBRARY = os.path.join(BUILD_DIR, "vnni", "sgl_cpu_vnni.so")
 BLOCK = 32  # activation quantization block (weights per int4 scale, too)
 LINEAR_KERNELS = ("avx2", "avx512_vnni")
+ATTENTION_KERNELS = ("avx2", "avx512_vnni", "avx512_bf16")
+# per attention kernel: (its library's linear-kernel key, the CPU class it needs, op name)
+_ATTENTION_OPS = {"avx2": ("avx2", "avx2", "sgl_cpu::attention"),
+                  "avx512_vnni": ("avx512_vnni", "avx512_vnni", "sgl_cpu_vnni::attention"),
+                  "avx512_bf16": ("avx512_vnni", "avx512_bf16", "sgl_cpu_vnni::attention_bf16")}
 # library file and the CPU class its instructions need, per linear kernel
 _LIBRARIES = {"avx2": (LIBRARY, "avx2"), "avx512_vnni": (VNNI_LIBRARY, "avx512_vnni")}
 
@@ -86,14 +94,29 @@ def linear_kernel(cpu_isa: str) -> str | None:
 
 
 def attention_kernel(cpu_isa: str | None = None) -> str:
-    """The library whose attention kernel runs for CPU class ``cpu_isa`` (default: probed):
-    "avx512_vnni" from that class up where its library loads, else "avx2" (the caller checks
-    that "avx2" is available). Each computes a token's output bitwise the same in any batch;
-    the two differ from each other in the last bits (their score sums differ in order)."""
+    """The fastest attention kernel (:data:`ATTENTION_KERNELS`) for CPU class ``cpu_isa``
+    (default: probed) that this machine runs; "avx2" at the least (the caller checks that the
+    "avx2" library is available). Each computes a token's output bitwise the same in any batch;
+    they differ from each other in the last bits (their sums run in different orders)."""
     isa = detected_isa() if cpu_isa is None else cpu_isa
-    if at_least("avx512_vnni", isa) and available("avx512_vnni"):
-        return "avx512_vnni"
+    for kernel in reversed(ATTENTION_KERNELS):
+        library, needs, _ = _ATTENTION_OPS[kernel]
+        if at_least(needs, isa) and at_least(needs, detected_isa()) and available(library):
+            return kernel
     return "avx2"
+
+
+def attention_op(kernel: str):
+    """The torch op of attention kernel ``kernel`` (signature: ``sgl_cpu::attention``'s, see
+    :class:`kernels.cpu.attention.CPUAttention`). Raises RuntimeError when this machine cannot
+    run it (its library, or the CPU lacks the instructions)."""
+    library, needs, name = _ATTENTION_OPS[kernel]
+    require(library)
+    if not at_least(needs, detected_isa()):
+        raise RuntimeError(f"the {kernel} attention kernel needs {needs}; the CPU is "
+                           f"{detected_isa()!r}")
+    namespace, op = name.split("::")
+    return getattr(getattr(torch.ops, namespace), op)
 
 
 def k_multiple(kernel: str, kind: str) -> int:

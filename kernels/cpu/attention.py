@@ -1,6 +1,6 @@
 """:class:`CPUAttention`: the attention backend on the native ``sgl_cpu::attention`` kernel.
 
-Decode and extend passes (mixed ones too) go through one kernel (AVX2 or AVX-512, by CPU class) that reads each sequence's
+Decode and extend passes (mixed ones too) go through one kernel (AVX2, AVX-512 or AVX512-BF16, by CPU class) that reads each sequence's
 K/V rows in place through its slot indices: no gathered copy of the prefix, no padded batch,
 no mask tensor. Partitions of 512 positions run as separate work items (flash-decoding), so a
 single long sequence uses every core, and a token's output does not depend on the rest of the
@@ -22,9 +22,8 @@ class CPUAttention:
     """:class:`kernels.base.AttentionBackend` over float32/bfloat16 KV buffers on the CPU
     (``k_buffers[layer]``, ``v_buffers[layer]``: [capacity, num_kv_heads, head_dim], head_dim a
     multiple of 8 up to 256, at most 16 query heads per KV head); activations float32 or
-    bfloat16, in either KV dtype. ``kernel``: the library whose attention runs, "avx2"
-    (``sgl_cpu``) or "avx512_vnni" (``sgl_cpu_vnni``; :func:`kernels.cpu.attention_kernel`).
-    Raises RuntimeError when that library cannot run here."""
+    bfloat16, in either KV dtype. ``kernel``: one of :data:`kernels.cpu.ATTENTION_KERNELS`
+    (:func:`kernels.cpu.attention_kernel` picks). Raises RuntimeError when it cannot run here."""
 
     name = "cpu"
     apply_rope = staticmethod(apply_rope)
@@ -32,10 +31,8 @@ class CPUAttention:
 
     def __init__(self, k_buffers: list[torch.Tensor], v_buffers: list[torch.Tensor],
                  kernel: str = "avx2"):
-        native.require(kernel)
+        self._attention = native.attention_op(kernel)
         self.kernel = kernel
-        self._attention = (torch.ops.sgl_cpu_vnni.attention if kernel == "avx512_vnni"
-                           else torch.ops.sgl_cpu.attention)
         self.k_buffers = k_buffers
         self.v_buffers = v_buffers
         self.inputs: AttentionInputs | None = None

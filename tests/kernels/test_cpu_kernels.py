@@ -103,16 +103,13 @@ def test_bad_shapes_are_errors_not_crashes():
         native.int4_linear(torch.randn(2, 64).half(), packed, 32)
 
 
-@pytest.fixture(params=["avx2", "avx512_vnni"])
+@pytest.fixture(params=native.ATTENTION_KERNELS)
 def attention_op(request):
-    """Each native attention kernel this machine can run (sgl_cpu's AVX2 one, sgl_cpu_vnni's
-    AVX-512 one)."""
-    reason = native.unavailable_reason(request.param)
-    if reason is not None:
-        pytest.skip(f"{request.param} attention: {reason}")
-    from kernels.cpu.attention import CPUAttention
-
-    return CPUAttention([], [], request.param)._attention
+    """Each native attention kernel this machine can run."""
+    try:
+        return native.attention_op(request.param)
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
 
 
 def _pool(capacity: int, hkv: int, d: int, dtype, rows: int = 4, max_len: int = 1500):
@@ -140,7 +137,8 @@ def test_attention_matches_the_reference(attention_op, dtype, kv_dtype, hq, hkv,
     ref = extend_attention(q, k, v, table, rows, prefix, ext, d ** -0.5, window, softcap)
     out = attention_op(q, k, v, table, torch.tensor(rows), torch.tensor(prefix),
                        torch.tensor(ext), d ** -0.5, window, softcap)
-    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    # the bf16 dot-product kernel rounds the probabilities to bf16 for P.V (a few 1e-3)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert out.dtype == dtype and (out.float() - ref.float()).abs().max() < tol
 
 
@@ -203,19 +201,25 @@ def test_attention_of_a_token_is_the_same_in_decode_and_in_any_extend(attention_
 
 @needs_native
 def test_the_attention_kernel_follows_the_cpu_class(make_tiny_model):
-    """The AVX-512 attention where the class allows it and its library runs; --cpu-isa avx2
-    keeps the AVX2 one (so either path can be tested on a bigger machine)."""
+    """The fastest attention kernel the configured class allows and the machine runs;
+    --cpu-isa avx2 / avx512_vnni keep the narrower ones (so each path can be tested on a bigger
+    machine), and the decoder stack runs the one picked."""
+    from kernels.cpu_features import at_least, detected_isa
     from server.engine import Engine
 
     path, _ = make_tiny_model("llama")
-    forced = Engine(path, max_total_tokens=512, context_length=128, dtype="float32",
-                    cpu_isa="avx2")
-    assert forced.runner.attention.kernel == "avx2"
-    if native.available("avx512_vnni"):
-        assert native.attention_kernel("avx512_vnni") == "avx512_vnni"
-        best = Engine(path, max_total_tokens=512, context_length=128, dtype="float32")
-        assert best.runner.attention.kernel == "avx512_vnni"
-    assert native.attention_kernel("avx2") == "avx2"
+    for isa, kernel in [("avx2", "avx2"), ("avx512_vnni", "avx512_vnni"),
+                        ("avx512_bf16", "avx512_bf16")]:
+        if not (at_least(isa, detected_isa()) and native.available("avx512_vnni")) \
+                and kernel != "avx2":
+            continue
+        engine = Engine(path, max_total_tokens=512, context_length=128, dtype="bfloat16",
+                        quantization="int4", cpu_isa=isa)
+        assert engine.runner.attention.kernel == kernel == native.attention_kernel(isa)
+        assert engine.runner.model.native_stack is not None
+        out = engine.generate(input_ids=[1, 5, 9], sampling_params={"max_new_tokens": 3,
+                                                                  "temperature": 0})
+        assert len(out["output_ids"]) == 3
 
 
 @needs_native

@@ -109,9 +109,11 @@ inline void pv_units(float* const* acc, const float* const* p, const float* corr
 // unit's running max / sum update and probabilities, then the P.V sums (pv_units, three units
 // per V row conversion).
 struct Avx2Chunk {
+static constexpr bool kPrescaled = true, kStage = true;
 template <int NV, typename T>
 static void attend(const ChunkRows<T>& rows, int units, const float* const* q, float* const* out,
-                   const float* const* valid, float softcap, float* prs) {
+                   const float* const* valid, float /*scale: q is prescaled*/, float softcap,
+                     float* prs) {
   constexpr int64_t D = 8 * NV;
   __m256 sc[4][CHUNK / 8];
   float* accs[TILE * MAX_GROUP];

@@ -20,14 +20,19 @@ constexpr int64_t TILE = 16;   // query tokens of one sequence per work item
 constexpr int MAX_GROUP = 16;  // query heads per KV head
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
-// A chunk kernel (attention_chunk.h's Avx2Chunk, attention_chunk512.h's Avx512Chunk) provides
+// A chunk kernel (attention_chunk.h's Avx2Chunk, csrc_vnni/attention_chunk512.h's Avx512Chunk,
+// csrc_vnni/attention_bf16.cpp's Bf16Chunk) provides
 //   template <int NV, typename T> static void attend(const ChunkRows<T>& rows, int units,
-//       const float* const* q, float* const* out, const float* const* valid, float softcap,
-//       float* prs);
+//       const float* const* q, float* const* out, const float* const* valid, float scale,
+//       float softcap, float* prs);
 // one chunk of the online softmax for `units` (query token, head) units: q[u] [8 NV] float32
-// (pre-scaled), out[u] = (running max m, running sum l, acc [8 NV]) updated in place, valid[u]
-// [CHUNK] 0 / -inf per position (nullptr: every position valid), prs scratch [units][CHUNK].
-// Each unit's arithmetic must not depend on the other units it is computed with.
+// (multiplied by scale already where kPrescaled, else the kernel scales the scores), out[u] =
+// (running max m, running sum l, acc [8 NV]) updated in place, valid[u] [CHUNK] 0 / -inf per
+// position (nullptr: every position valid), prs scratch [units][CHUNK] floats; and
+//   static constexpr bool kPrescaled, kStage;
+// kStage: bfloat16 K/V rows shared by many units may be staged as float32 (else rows are
+// always passed in place). Each unit's arithmetic must not depend on the other units it is
+// computed with.
 
 inline float exp1(float x) {
   alignas(32) float buf[8] = {x, 0, 0, 0, 0, 0, 0, 0};

@@ -56,7 +56,7 @@ struct Row {          // one query token of a tile
 template <typename Chunk, int NV, typename KV>
 void attend_tile(const float* q, const Row* rows, int nrows, int group, const KV* kbuf,
                  const KV* vbuf, int64_t row_stride, const int64_t* slots, int64_t a,
-                 int64_t e, float softcap, float* kst, float* vst, float* prs) {
+                 int64_t e, float scale, float softcap, float* kst, float* vst, float* prs) {
   constexpr int64_t nv = NV, D = 8 * NV;
   for (int r = 0; r < nrows; ++r)
     for (int g = 0; g < group; ++g) {
@@ -69,7 +69,7 @@ void attend_tile(const float* q, const Row* rows, int nrows, int group, const KV
   // in registers beats staging. Staged otherwise: bfloat16 rows shared by more units are
   // converted once, and float32 rows staged (a plain copy) measured faster from DRAM than
   // read in place (the tight copy loop keeps more misses in flight).
-  const bool stage = std::is_same_v<KV, float> || nrows * group > 4;
+  const bool stage = Chunk::kStage && (std::is_same_v<KV, float> || nrows * group > 4);
   ChunkRows<KV> direct;
   ChunkRows<float> staged;
   direct.ahead_bytes = D * static_cast<int64_t>(sizeof(KV));
@@ -121,8 +121,8 @@ void attend_tile(const float* q, const Row* rows, int nrows, int group, const KV
         valids[units] = full ? nullptr : valid[r];
       }
     }
-    if (stage) Chunk::template attend<NV>(staged, units, qs, outs, valids, softcap, prs);
-    else Chunk::template attend<NV>(direct, units, qs, outs, valids, softcap, prs);
+    if (stage) Chunk::template attend<NV>(staged, units, qs, outs, valids, scale, softcap, prs);
+    else Chunk::template attend<NV>(direct, units, qs, outs, valids, scale, softcap, prs);
   }
 }
 
@@ -186,7 +186,8 @@ void run(const at::Tensor& q, const at::Tensor& kbuf, const at::Tensor& vbuf,
         for (int g = 0; g < group; ++g) {
           const T* src = qp + tk * q_stride + (it.head * group + g) * D;
           float* dst = qs.data() + (nrows * group + g) * D;
-          for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]) * scale;
+          const float f = Chunk::kPrescaled ? scale : 1.0f;
+          for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]) * f;
         }
         rows[nrows].lo = std::max(tok_lo[tk], it.part * PART);
         rows[nrows].pos = std::min(tok_pos[tk], (it.part + 1) * PART - 1);
@@ -206,7 +207,7 @@ void run(const at::Tensor& q, const at::Tensor& kbuf, const at::Tensor& vbuf,
       auto call = [&](auto nv) {
         attend_tile<Chunk, decltype(nv)::value, KV>(qs.data(), rows, nrows, group, kp + it.head * D,
                                              vp + it.head * D, row_stride,
-                                             table + seq_rows[it.seq] * L, a, e, softcap,
+                                             table + seq_rows[it.seq] * L, a, e, scale, softcap,
                                              kst.data(), vst.data(), prs.data());
       };
       switch (D / 8) {  // head_dim 8 .. 256 in steps of 8

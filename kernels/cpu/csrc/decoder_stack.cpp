@@ -29,8 +29,9 @@ namespace {
 // Linear kernel codes (server/model/native_stack.py writes them): which op runs a QuantLinear.
 enum LinearKind : int64_t { AVX2_INT4 = 0, AVX2_INT8 = 1, VNNI_INT4 = 2, VNNI_INT8 = 3 };
 
-// Attention kernel codes (native_stack.py): sgl_cpu::attention, sgl_cpu_vnni::attention.
-enum AttentionKind : int64_t { AVX2_ATTENTION = 0, AVX512_ATTENTION = 1 };
+// Attention kernel codes (native_stack.py): sgl_cpu::attention, sgl_cpu_vnni::attention,
+// sgl_cpu_vnni::attention_bf16.
+enum AttentionKind : int64_t { AVX2_ATTENTION = 0, AVX512_ATTENTION = 1, BF16_ATTENTION = 2 };
 
 using AttentionOp = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                const at::Tensor&, const at::Tensor&, const at::Tensor&,
@@ -115,10 +116,12 @@ class DecoderStack : public torch::CustomClassHolder {
     num_kv_ = ints[9 * layers + 1];
     head_dim_ = ints[9 * layers + 2];
     attention_kind_ = ints[9 * layers + 3];
-    TORCH_CHECK(attention_kind_ == AVX2_ATTENTION || attention_kind_ == AVX512_ATTENTION,
+    TORCH_CHECK(attention_kind_ >= AVX2_ATTENTION && attention_kind_ <= BF16_ATTENTION,
                 "unknown attention kind ", attention_kind_);
-    if (attention_kind_ == AVX512_ATTENTION)
-      attention512_ = op<AttentionOp>("sgl_cpu_vnni::attention");
+    if (attention_kind_ != AVX2_ATTENTION)
+      attention_op_ = op<AttentionOp>(attention_kind_ == AVX512_ATTENTION
+                                          ? "sgl_cpu_vnni::attention"
+                                          : "sgl_cpu_vnni::attention_bf16");
     eps_ = floats[0];
     scale_ = floats[1];
     softcap_ = floats[2];
@@ -149,8 +152,8 @@ class DecoderStack : public torch::CustomClassHolder {
       at::Tensor o;
       {
         RECORD_FUNCTION("sgl_cpu::attention", std::vector<c10::IValue>());
-        o = attention_kind_ == AVX512_ATTENTION
-                ? attention512_->call(q, k_[l], v_[l], req_to_token, req_rows, prefix_lens,
+        o = attention_op_
+                ? attention_op_->call(q, k_[l], v_[l], req_to_token, req_rows, prefix_lens,
                                       extend_lens, scale_, layer.window, softcap_)
                 : attention(q, k_[l], v_[l], req_to_token, req_rows, prefix_lens, extend_lens,
                             scale_, layer.window, softcap_);
@@ -185,7 +188,7 @@ class DecoderStack : public torch::CustomClassHolder {
   std::vector<at::Tensor> k_, v_;
   at::Tensor final_norm_;
   int64_t num_q_ = 0, num_kv_ = 0, head_dim_ = 0, attention_kind_ = AVX2_ATTENTION;
-  std::optional<c10::TypedOperatorHandle<AttentionOp>> attention512_;
+  std::optional<c10::TypedOperatorHandle<AttentionOp>> attention_op_;
   double eps_ = 0, scale_ = 0, softcap_ = 0;
 };
 

@@ -183,10 +183,53 @@ void pv_units(float* const* acc, const float* const* p, const float* corr,
   }
 }
 
+// The online-softmax step of units u0 .. u0 + n - 1 (n <= 16) over one chunk, from their
+// scores sc[i] (positions 0-15, 16-31; scaled): soft-capping, the mask, the new running max m
+// and sum l in out[u], the probabilities exp(s - m) into prs + u * CHUNK (float32) and the
+// rescale of the old sums, exp(m_old - m_new), into corrs[u] (0 where nothing was accumulated
+// yet). The rescales of the n units are one vector exp; every lane is computed alike.
+SGL_INLINE void softmax_step(__m512 (*sc)[CHUNK / 16], int n, int u0, float* const* out,
+                             const float* const* valid, float softcap, float* prs,
+                             float* corrs) {
+  alignas(64) float delta[16] = {};
+  float mxs[16];
+  for (int i = 0; i < n; ++i) {
+    const int u = u0 + i;
+    for (int h = 0; h < CHUNK / 16; ++h) {
+      if (softcap > 0.0f) {
+        alignas(64) float buf[16];
+        _mm512_store_ps(buf, sc[i][h]);
+        for (int j = 0; j < 16; ++j) buf[j] = softcap * std::tanh(buf[j] / softcap);
+        sc[i][h] = _mm512_load_ps(buf);
+      }
+      if (valid[u] != nullptr)  // -inf: masked
+        sc[i][h] = _mm512_add_ps(sc[i][h], _mm512_loadu_ps(valid[u] + 16 * h));
+    }
+    const float m = out[u][0];
+    mxs[i] = std::max(m, _mm512_reduce_max_ps(_mm512_max_ps(sc[i][0], sc[i][1])));
+    delta[i] = m == NEG_INF ? NEG_INF : m - mxs[i];
+  }
+  _mm512_store_ps(delta, exp512(_mm512_load_ps(delta)));  // exp(-inf) = 0
+  for (int i = 0; i < n; ++i) {
+    const int u = u0 + i;
+    float* o = out[u];
+    const __m512 mxv = _mm512_set1_ps(mxs[i]);
+    const __m512 p0 = exp512(_mm512_sub_ps(sc[i][0], mxv));  // 0 on masked lanes
+    const __m512 p1 = exp512(_mm512_sub_ps(sc[i][1], mxv));
+    _mm512_storeu_ps(prs + u * CHUNK, p0);
+    _mm512_storeu_ps(prs + u * CHUNK + 16, p1);
+    o[1] = o[1] * delta[i] + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+    o[0] = mxs[i];
+    corrs[u] = delta[i];
+  }
+}
+
 struct Avx512Chunk {
+  static constexpr bool kPrescaled = true, kStage = true;
   template <int NV, typename T>
   static void attend(const ChunkRows<T>& rows, int units, const float* const* q,
-                     float* const* out, const float* const* valid, float softcap, float* prs) {
+                     float* const* out, const float* const* valid, float /*scale*/,
+                     float softcap, float* prs) {
     constexpr int64_t D = 8 * NV;
     constexpr int NV16 = (NV + 1) / 2;
     const __mmask16 tail = NV % 2 ? __mmask16(0x00FF) : __mmask16(0xFFFF);
@@ -203,42 +246,11 @@ struct Avx512Chunk {
         case 2: qk_block<2, NV16>(q + u0, rows, tail, sc); break;
         default: qk_block<1, NV16>(q + u0, rows, tail, sc); break;
       }
-      // each unit's new running max, and its rescale exp(m_old - m_new) for all n units in
-      // one vector (0 where m_old is -inf: nothing accumulated yet)
-      alignas(64) float delta[16] = {};
-      float mxs[QU];
-      for (int i = 0; i < n; ++i) {
-        const int u = u0 + i;
-        for (int h = 0; h < CHUNK / 16; ++h) {
-          if (softcap > 0.0f) {
-            alignas(64) float buf[16];
-            _mm512_store_ps(buf, sc[i][h]);
-            for (int j = 0; j < 16; ++j) buf[j] = softcap * std::tanh(buf[j] / softcap);
-            sc[i][h] = _mm512_load_ps(buf);
-          }
-          if (valid[u] != nullptr)  // -inf: masked
-            sc[i][h] = _mm512_add_ps(sc[i][h], _mm512_loadu_ps(valid[u] + 16 * h));
-        }
-        const float m = out[u][0];
-        mxs[i] = std::max(m, _mm512_reduce_max_ps(_mm512_max_ps(sc[i][0], sc[i][1])));
-        delta[i] = m == NEG_INF ? NEG_INF : m - mxs[i];
-      }
-      _mm512_store_ps(delta, exp512(_mm512_load_ps(delta)));  // exp(-inf) = 0
-      for (int i = 0; i < n; ++i) {
-        const int u = u0 + i;
-        float* o = out[u];
-        float* pr = prs + u * CHUNK;
-        const __m512 mxv = _mm512_set1_ps(mxs[i]);
-        const __m512 p0 = exp512(_mm512_sub_ps(sc[i][0], mxv));  // 0 on masked lanes
-        const __m512 p1 = exp512(_mm512_sub_ps(sc[i][1], mxv));
-        _mm512_storeu_ps(pr, p0);
-        _mm512_storeu_ps(pr + 16, p1);
-        o[1] = o[1] * delta[i] + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
-        o[0] = mxs[i];
-        accs[u] = o + 2;
-        ps[u] = pr;
-        corrs[u] = delta[i];
-      }
+      softmax_step(sc, n, u0, out, valid, softcap, prs, corrs);
+    }
+    for (int u = 0; u < units; ++u) {
+      accs[u] = out[u] + 2;
+      ps[u] = prs + u * CHUNK;
     }
     int u = 0;
     for (; u + 4 <= units; u += 4) pv_units<4>(accs + u, ps + u, corrs + u, rows, D);

@@ -1,0 +1,248 @@
+// sgl_cpu_vnni::attention_bf16: the attention driver (../csrc/attention_impl.h) on a chunk kernel
+// whose dot products run on AVX512-BF16 (vdpbf16ps: 32 bf16 products a vector, in pairs, into
+// 16 float32 lanes), for bfloat16 queries over a bfloat16 KV pool with head_dim a multiple of
+// 32; other inputs run the float32 AVX-512 kernel (attention512.cpp). Compiled for AVX512-BF16
+// (this file's functions only), called only where the CPU has it (kernels/cpu/__init__.py).
+//
+// Per chunk of 32 positions, the K rows are transposed once into pair columns kt[c] (position
+// p's lane holds k[p][2c], k[p][2c + 1]), so a unit's 32 scores are two vectors of dot
+// products chained over c in order, with no horizontal sums; V rows are interleaved in
+// position pairs vp[i] (lane d holds v[2i][d], v[2i + 1][d]), so P.V is a chain over pairs in
+// order, p rounded to bfloat16 as flash-attention kernels do (Dao 2023, FlashAttention-2 sec.
+// 3.1: P in the matmul dtype, the running sum l in float32). A score or output lane's
+// arithmetic is the same whatever units, tile or batch it is computed with, decode or extend.
+#include <torch/library.h>
+
+#include "../csrc/attention_impl.h"
+#include "attention_chunk512.h"
+
+#include <cstring>
+
+#pragma GCC push_options
+#pragma GCC target("avx512bf16")
+
+#define SGL_INLINE inline __attribute__((always_inline))
+
+namespace sgl_cpu {
+namespace {
+
+// r[i] = 16 32-bit lanes of row i -> r[c] lane i = row i's lane c
+SGL_INLINE void transpose16(__m512i* r) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xDD);
+    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xDD);
+  }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xDD);
+  }
+}
+
+SGL_INLINE void prefetch_rows(const ChunkRows<c10::BFloat16>& rows, int j, int which) {
+  if (const char* nx = rows.ahead[j][which])
+    for (int64_t o = 0; o < rows.ahead_bytes; o += 64) _mm_prefetch(nx + o, _MM_HINT_T0);
+}
+
+// kt[c][p] = the 32-bit pair (k[p][2c], k[p][2c + 1]) for the chunk's 32 positions (0 where a
+// row is missing); kt: [D / 2][CHUNK] 32-bit words.
+template <int64_t D>
+SGL_INLINE void transpose_k(const ChunkRows<c10::BFloat16>& rows, uint32_t* kt) {
+  for (int h = 0; h < CHUNK / 16; ++h) {
+    for (int j = 16 * h; j < 16 * h + 16; ++j) prefetch_rows(rows, j, 0);
+    for (int64_t c0 = 0; c0 < D / 2; c0 += 16) {
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i) {
+        const c10::BFloat16* k = rows.k[16 * h + i];
+        r[i] = k ? _mm512_loadu_si512(k + 2 * c0) : _mm512_setzero_si512();
+      }
+      transpose16(r);
+      for (int c = 0; c < 16; ++c) _mm512_store_si512(kt + (c0 + c) * CHUNK + 16 * h, r[c]);
+    }
+  }
+}
+
+// vp[i][d] = the 32-bit pair (v[2i][d], v[2i + 1][d]) (0 where a row is missing); vp:
+// [CHUNK / 2][D] 32-bit words.
+template <int64_t D>
+SGL_INLINE void interleave_v(const ChunkRows<c10::BFloat16>& rows, uint32_t* vp) {
+  alignas(64) static constexpr uint16_t LO[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                  8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i lo = _mm512_load_si512(LO);
+  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  for (int i = 0; i < CHUNK / 2; ++i) {
+    prefetch_rows(rows, 2 * i, 1);
+    prefetch_rows(rows, 2 * i + 1, 1);
+    const c10::BFloat16* a = rows.v[2 * i];
+    const c10::BFloat16* b = rows.v[2 * i + 1];
+    for (int64_t d0 = 0; d0 < D; d0 += 32) {
+      const __m512i x = a ? _mm512_loadu_si512(a + d0) : _mm512_setzero_si512();
+      const __m512i y = b ? _mm512_loadu_si512(b + d0) : _mm512_setzero_si512();
+      _mm512_store_si512(vp + i * D + d0, _mm512_permutex2var_epi16(x, lo, y));
+      _mm512_store_si512(vp + i * D + d0 + 16, _mm512_permutex2var_epi16(x, hi, y));
+    }
+  }
+}
+
+// Scores of U units: sc[u][h] lane i = scale * sum_c dp(q[u] pair c, k[16 h + i] pair c), the
+// chain over c in order starting from 0. qw[u]: [D / 2] pairs.
+template <int U, int64_t D>
+SGL_INLINE void qk_bf16(const uint32_t* const* qw, const uint32_t* kt, float scale,
+                        __m512 (*sc)[CHUNK / 16]) {
+  __m512 acc[U][2];
+  for (int u = 0; u < U; ++u) acc[u][0] = acc[u][1] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < D / 2; ++c) {
+    const __m512bh k0 = (__m512bh)_mm512_load_si512(kt + c * CHUNK);
+    const __m512bh k1 = (__m512bh)_mm512_load_si512(kt + c * CHUNK + 16);
+    for (int u = 0; u < U; ++u) {
+      const __m512bh qb = (__m512bh)_mm512_set1_epi32(static_cast<int>(qw[u][c]));
+      acc[u][0] = _mm512_dpbf16_ps(acc[u][0], qb, k0);
+      acc[u][1] = _mm512_dpbf16_ps(acc[u][1], qb, k1);
+    }
+  }
+  const __m512 s = _mm512_set1_ps(scale);
+  for (int u = 0; u < U; ++u) {
+    sc[u][0] = _mm512_mul_ps(acc[u][0], s);
+    sc[u][1] = _mm512_mul_ps(acc[u][1], s);
+  }
+}
+
+// acc[u][0 .. D) = acc * corr[u] + sum_i dp(p[u] pair i, vp[i]) over the chunk's 16 position
+// pairs in order; pw[u]: [CHUNK / 2] pairs of bf16 probabilities.
+template <int U, int64_t D>
+SGL_INLINE void pv_bf16(float* const* acc, const uint32_t* const* pw, const float* corr,
+                        const uint32_t* vp) {
+  constexpr int W = 4;
+  for (int64_t d0 = 0; d0 < D; d0 += 16 * W) {
+    const int nw = static_cast<int>(std::min<int64_t>(W, (D - d0) / 16));
+    __m512 a[U][W];
+    for (int u = 0; u < U; ++u) {
+      const __m512 c = _mm512_set1_ps(corr[u]);
+      for (int w = 0; w < W; ++w)
+        if (w < nw) a[u][w] = _mm512_mul_ps(_mm512_loadu_ps(acc[u] + d0 + 16 * w), c);
+    }
+    for (int i = 0; i < CHUNK / 2; ++i) {
+      __m512bh vv[W];
+      for (int w = 0; w < W; ++w)
+        if (w < nw) vv[w] = (__m512bh)_mm512_load_si512(vp + i * D + d0 + 16 * w);
+      for (int u = 0; u < U; ++u) {
+        const __m512bh pb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pw[u][i]));
+        for (int w = 0; w < W; ++w)
+          if (w < nw) a[u][w] = _mm512_dpbf16_ps(a[u][w], pb, vv[w]);
+      }
+    }
+    for (int u = 0; u < U; ++u)
+      for (int w = 0; w < W; ++w)
+        if (w < nw) _mm512_storeu_ps(acc[u] + d0 + 16 * w, a[u][w]);
+  }
+}
+
+struct Bf16Chunk {
+  static constexpr bool kPrescaled = false, kStage = false;
+  template <int NV, typename T>
+  static void attend(const ChunkRows<T>& rows, int units, const float* const* q,
+                     float* const* out, const float* const* valid, float scale, float softcap,
+                     float* prs) {
+    if constexpr (std::is_same_v<T, c10::BFloat16> && NV % 4 == 0) {
+      constexpr int64_t D = 8 * NV;
+      constexpr int QU = 6;  // units per pass over kt: 12 independent chains
+      alignas(64) uint32_t kt[D / 2 * CHUNK];
+      alignas(64) uint32_t vp[CHUNK / 2 * D];
+      alignas(64) uint32_t qws[TILE * MAX_GROUP][D / 2];
+      const uint32_t* qw[TILE * MAX_GROUP];
+      const uint32_t* pw[TILE * MAX_GROUP];
+      float* accs[TILE * MAX_GROUP];
+      float corrs[TILE * MAX_GROUP];
+      transpose_k<D>(rows, kt);
+      interleave_v<D>(rows, vp);
+      for (int u = 0; u < units; ++u) {  // q holds bf16 values: rounding them back is exact
+        for (int64_t d = 0; d < D; d += 32) {
+          const __m512bh b = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q[u] + d + 16),
+                                                 _mm512_loadu_ps(q[u] + d));
+          _mm512_store_si512(qws[u] + d / 2, (__m512i)b);
+        }
+        qw[u] = qws[u];
+      }
+      __m512 sc[QU][CHUNK / 16];
+      for (int u0 = 0; u0 < units; u0 += QU) {
+        const int n = std::min(QU, units - u0);
+        switch (n) {
+          case 6: qk_bf16<6, D>(qw + u0, kt, scale, sc); break;
+          case 5: qk_bf16<5, D>(qw + u0, kt, scale, sc); break;
+          case 4: qk_bf16<4, D>(qw + u0, kt, scale, sc); break;
+          case 3: qk_bf16<3, D>(qw + u0, kt, scale, sc); break;
+          case 2: qk_bf16<2, D>(qw + u0, kt, scale, sc); break;
+          default: qk_bf16<1, D>(qw + u0, kt, scale, sc); break;
+        }
+        softmax_step(sc, n, u0, out, valid, softcap, prs, corrs);
+      }
+      for (int u = 0; u < units; ++u) {  // p as bf16 pairs, in place over its float32 copy
+        float* pr = prs + u * CHUNK;
+        const __m512bh b = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(pr + 16), _mm512_loadu_ps(pr));
+        _mm512_storeu_si512(pr, (__m512i)b);
+        pw[u] = reinterpret_cast<const uint32_t*>(pr);
+        accs[u] = out[u] + 2;
+      }
+      int u = 0;
+      for (; u + 4 <= units; u += 4) pv_bf16<4, D>(accs + u, pw + u, corrs + u, vp);
+      switch (units - u) {
+        case 3: pv_bf16<3, D>(accs + u, pw + u, corrs + u, vp); break;
+        case 2: pv_bf16<2, D>(accs + u, pw + u, corrs + u, vp); break;
+        case 1: pv_bf16<1, D>(accs + u, pw + u, corrs + u, vp); break;
+      }
+    } else {
+      TORCH_CHECK(false, "attention_bf16 runs bfloat16 K/V with head_dim a multiple of 32");
+    }
+  }
+};
+
+}  // namespace
+}  // namespace sgl_cpu
+
+#undef SGL_INLINE
+#pragma GCC pop_options
+
+namespace sgl_cpu_vnni {
+
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
+                     const at::Tensor& req_to_token, const at::Tensor& req_rows,
+                     const at::Tensor& prefix_lens, const at::Tensor& extend_lens, double scale,
+                     int64_t window, double softcap);
+
+// As sgl_cpu::attention; bfloat16 q and K/V with head_dim % 32 == 0 take the bf16 dot-product
+// kernel, anything else the float32 AVX-512 one.
+at::Tensor attention_bf16(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
+                          const at::Tensor& req_to_token, const at::Tensor& req_rows,
+                          const at::Tensor& prefix_lens, const at::Tensor& extend_lens,
+                          double scale, int64_t window, double softcap) {
+  if (q.scalar_type() != at::kBFloat16 || k_buf.scalar_type() != at::kBFloat16 ||
+      q.dim() != 3 || q.size(2) % 32 != 0)
+    return attention(q, k_buf, v_buf, req_to_token, req_rows, prefix_lens, extend_lens, scale,
+                     window, softcap);
+  return sgl_cpu::attention_forward<sgl_cpu::Bf16Chunk>(
+      q, k_buf, v_buf, req_to_token, req_rows, prefix_lens, extend_lens, scale, window, softcap);
+}
+
+}  // namespace sgl_cpu_vnni
+
+TORCH_LIBRARY_FRAGMENT(sgl_cpu_vnni, m) {
+  m.def("attention_bf16(Tensor q, Tensor k_buf, Tensor v_buf, Tensor req_to_token, "
+        "Tensor req_rows, Tensor prefix_lens, Tensor extend_lens, float scale, int window, "
+        "float softcap) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(sgl_cpu_vnni, CPU, m) {
+  m.impl("attention_bf16", &sgl_cpu_vnni::attention_bf16);
+}
