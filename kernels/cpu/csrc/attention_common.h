@@ -16,7 +16,7 @@ namespace sgl_cpu {
 namespace {
 
 constexpr int64_t CHUNK = 32;  // positions per online-softmax step (aligned to multiples of it)
-constexpr int64_t TILE = 16;   // query tokens of one sequence per work item
+constexpr int64_t TILE = 32;   // query tokens of one sequence per work item
 constexpr int MAX_GROUP = 16;  // query heads per KV head
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 

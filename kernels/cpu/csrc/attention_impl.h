@@ -27,6 +27,7 @@
 #include <immintrin.h>
 
 #include "attention_common.h"
+#include "vec.h"
 
 #include <algorithm>
 #include <cmath>
@@ -186,8 +187,8 @@ void run(const at::Tensor& q, const at::Tensor& kbuf, const at::Tensor& vbuf,
         for (int g = 0; g < group; ++g) {
           const T* src = qp + tk * q_stride + (it.head * group + g) * D;
           float* dst = qs.data() + (nrows * group + g) * D;
-          const float f = Chunk::kPrescaled ? scale : 1.0f;
-          for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]) * f;
+          const __m256 f = _mm256_set1_ps(Chunk::kPrescaled ? scale : 1.0f);
+          for (int64_t d = 0; d < D; d += 8) store8(dst + d, _mm256_mul_ps(load8(src + d), f));
         }
         rows[nrows].lo = std::max(tok_lo[tk], it.part * PART);
         rows[nrows].pos = std::min(tok_pos[tk], (it.part + 1) * PART - 1);
@@ -234,13 +235,17 @@ void run(const at::Tensor& q, const at::Tensor& kbuf, const at::Tensor& vbuf,
         const float mx = std::max(m, part[0]);
         const float ca = m == NEG_INF ? 0.0f : exp1(m - mx);
         const float cb = exp1(part[0] - mx);
-        for (int64_t d = 0; d < D; ++d) acc[d] = acc[d] * ca + part[2 + d] * cb;
+        const __m256 va = _mm256_set1_ps(ca), vb = _mm256_set1_ps(cb);
+        for (int64_t d = 0; d < D; d += 8)  // acc * ca + part * cb, rounded as written
+          store8(acc.data() + d, _mm256_add_ps(_mm256_mul_ps(load8(acc.data() + d), va),
+                                               _mm256_mul_ps(load8(part + 2 + d), vb)));
         l = l * ca + part[1] * cb;
         m = mx;
       }
       const float inv = l > 0.0f ? 1.0f / l : 0.0f;
       T* o = op + (tk * Hq + hq) * D;
-      for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(acc[d] * inv);
+      const __m256 vi = _mm256_set1_ps(inv);
+      for (int64_t d = 0; d < D; d += 8) store8(o + d, _mm256_mul_ps(load8(acc.data() + d), vi));
     }
   });
 }
