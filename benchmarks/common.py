@@ -103,6 +103,36 @@ def read_bandwidth(mib: int = 256, repeats: int = 5) -> float:
     return x.nbytes / best / 1e9
 
 
+def matrix_peaks(n: int = 2048, seconds: float = 1.0) -> dict[str, float]:
+    """The CPU's matrix throughput as torch reaches it, in tera-ops per second (a multiply-add
+    is 2 ops), on n x n x n products, the best of ``seconds`` of runs each: "bf16" (oneDNN's
+    bf16 GEMM: AMX or AVX512-BF16 where present), "fp32" and "int8" (``torch._int_mm``, int8 x
+    int8 -> int32: VNNI / AMX-INT8 where present). A kind torch cannot run here is left out."""
+    import torch
+
+    ops = 2 * n ** 3
+    a = torch.randn(n, n)
+    b = torch.randn(n, n)
+    cases = {"bf16": lambda: a16 @ b16, "fp32": lambda: a @ b,
+             "int8": lambda: torch._int_mm(a8, b8)}
+    a16, b16 = a.bfloat16(), b.bfloat16()
+    a8 = torch.randint(-127, 128, (n, n), dtype=torch.int8)
+    b8 = torch.randint(-127, 128, (n, n), dtype=torch.int8)
+    peaks = {}
+    for name, fn in cases.items():
+        try:
+            fn()
+        except RuntimeError:
+            continue
+        best, end = float("inf"), time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            start = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - start)
+        peaks[name] = ops / best / 1e12
+    return peaks
+
+
 def copy_bandwidth(device: str, mib: int = 256, repeats: int = 10) -> float:
     """Measured device copy bandwidth in GB/s (bytes read + written per second) of a
     ``mib``-MiB tensor copied ``repeats`` times."""

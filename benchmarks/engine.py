@@ -1,6 +1,7 @@
 """Engine throughput on the default model, side by side with transformers in one run.
 
     python -m benchmarks.engine [--model PATH] [--dtypes auto,float32] [--new-tokens 64]
+        [--quantization auto|none|int8|int4]
         [--device auto|cpu|cuda] [--attention-backends auto,reference,triton,flashinfer]
         [--batches 1,8,32] [--cuda-graph on,off] [--temperature 0]
 
@@ -14,7 +15,10 @@ present (else this repository's source text), chat-templated and cut to length i
 Decode at batch 1 reads every weight once per token, so "b=1 GB/s" = weight bytes x tokens/s
 is the achieved memory bandwidth (KV reads are < 1% of it at 128 tokens); it is printed next to
 the device's measured copy bandwidth (read + write bytes of a 256 MiB ``copy_``) and, on a
-CPU, its read bandwidth (a sum over 256 MiB).
+CPU, its read bandwidth (a sum over 256 MiB). "prefill linear TOP/s" = 2 x the decoder
+layers' multiply-adds per token x prefill tok/s, next to the matrix peaks torch reaches on the
+CPU in the same run (bf16 / fp32 / int8 2048^3 products: ``benchmarks.common.matrix_peaks``).
+The attention column names the kernel (the native CPU one: avx2, avx512_vnni, avx512_bf16).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import time
 
 import torch
 
-from benchmarks.common import copy_bandwidth, print_table, read_bandwidth, shared_data_dir
+from benchmarks.common import copy_bandwidth, matrix_peaks, print_table, read_bandwidth, shared_data_dir
 from kernels.cpu_features import cpu_description
 from server.engine import Engine
 from server.model.forward_batch import ForwardMode
@@ -145,6 +149,17 @@ def weight_bytes(engine: Engine) -> int:
     return total
 
 
+def layer_matmul_params(engine: Engine) -> int:
+    """Multiply-adds per token of the decoder layers' linear layers (the products a prefill
+    token costs, attention and the logits aside)."""
+    total = 0
+    for layer in engine.runner.model.layers:
+        for mod in layer.modules():
+            if hasattr(mod, "in_features") and hasattr(mod, "out_features"):
+                total += mod.in_features * mod.out_features
+    return total
+
+
 def long_context(args, device: str, texts: list[str]) -> None:
     """One stream's decode rate after prompts of each of ``args.context_lengths`` tokens (the
     texts joined until long enough), for each of ``args.kv_cache_dtypes``, and its ratio to the
@@ -153,6 +168,7 @@ def long_context(args, device: str, texts: list[str]) -> None:
     rows = []
     for kv_dtype in args.kv_cache_dtypes.split(","):
         engine = Engine(args.model, device=device, kv_cache_dtype=kv_dtype,
+                        quantization=args.quantization,
                         max_total_tokens=max(32768, 2 * max(lengths)),
                         context_length=max(lengths) + args.new_tokens + 8,
                         speculative_ngram=0)
@@ -187,6 +203,8 @@ def main() -> None:
     ap.add_argument("--dtypes", default="auto,float32",
                     help="engine dtypes to run, comma-separated (auto = bf16 on native-bf16 CPUs)")
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--quantization", default="auto",
+                    help="auto (a GGUF's own types), none, int8 or int4 (quantized at load)")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     ap.add_argument("--device", default="auto", help="auto (cuda if present), cpu or cuda[:N]")
     ap.add_argument("--attention-backends", default="auto",
@@ -215,16 +233,22 @@ def main() -> None:
     read = "" if cuda else f", read {read_bandwidth():.1f} GB/s"
     print(f"device: {device_name}; copy bandwidth {copy_bandwidth(device):.1f} GB/s (read + "
           f"written){read}; CPU: {cpu_description()}")
+    peaks = {} if cuda else matrix_peaks()
+    if peaks:
+        print("matrix peaks (torch, 2048^3): " + ", ".join(
+            f"{k} {v:.2f} T{'OP' if k == 'int8' else 'FLOP'}/s" for k, v in peaks.items()))
 
     texts, source = load_texts(32)
     print(f"prompts: {source}; torch threads: {torch.get_num_threads()}")
     top = max(batches)
     header = ["engine", "attention", "dtype", "cuda graph", "prefill tok/s (512)",
-              "b=1 GB/s"] + [f"decode b={b}" for b in batches] + [f"b={top} / b={batches[0]}"]
+              "prefill linear TOP/s", "b=1 GB/s"] + [f"decode b={b}" for b in batches] + [
+                  f"b={top} / b={batches[0]}"]
     rows, engine = [], None
     for backend, dtype, graph in [(b, d, g) for b in args.attention_backends.split(",")
                                   for d in args.dtypes.split(",") for g in graphs]:
         engine = Engine(args.model, dtype=dtype, device=device, attention_backend=backend,
+                        quantization=args.quantization,
                         max_total_tokens=max(32768, top * (128 + args.new_tokens + 8)),
                         max_running_requests=max(128, top), disable_cuda_graph=graph == "off",
                         speculative_ngram=0)  # one token per decode step: the step rate
@@ -238,8 +262,11 @@ def main() -> None:
         decode = {b: run_engine(engine, short[:b], args.new_tokens, args.temperature)["decode"]
                   for b in batches}
         gbs = (f"{weight_bytes(engine) * decode[1] / 1e9:.1f}" if 1 in decode else "")
-        rows.append(["sgl-adapters Engine", engine.runner.attention.name,
-                     engine.config.model.dtype, graph if cuda else "", f"{prefill:.0f}", gbs]
+        tops = 2 * layer_matmul_params(engine) * prefill / 1e12
+        attention = engine.runner.attention
+        rows.append(["sgl-adapters Engine", getattr(attention, "kernel", attention.name),
+                     engine.config.model.dtype, graph if cuda else "", f"{prefill:.0f}",
+                     f"{tops:.2f}", gbs]
                     + [f"{decode[b]:.1f}" for b in batches]
                     + [f"{decode[top] / decode[batches[0]]:.1f}x"])
         del engine
@@ -258,15 +285,16 @@ def main() -> None:
                 os.path.dirname(path) if kw else path, dtype=dtype, **kw).eval()
             eng_prompt = short[0]
             rate = hf_decode_rate(hf, eng_prompt, args.new_tokens)
-            rows.append(["transformers generate", "", str(dtype).replace("torch.", ""), "", "",
-                         ""] + [f"{rate:.1f}" if b == 1 else "" for b in batches] + [""])
+            rows.append(["transformers generate", "", str(dtype).replace("torch.", "")]
+                        + [""] * 4 + [f"{rate:.1f}" if b == 1 else "" for b in batches] + [""])
             del hf
     print_table(header, rows)
     if args.context_lengths:
         long_context(args, device, texts)
     if cuda:
         return
-    engine = Engine(args.model, max_total_tokens=32768, device=device, speculative_ngram=0)
+    engine = Engine(args.model, max_total_tokens=32768, device=device, speculative_ngram=0,
+                    quantization=args.quantization)
     for b in sorted({batches[0], top}):
         prof = profile_decode_step(engine, make_prompts(engine, texts, 128, b))
         print(f"\nOne decode step, batch {b}, 128-token prompts, dtype "
