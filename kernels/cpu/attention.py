@@ -1,10 +1,11 @@
 """:class:`CPUAttention`: the attention backend on the native ``sgl_cpu::attention`` kernel.
 
-Decode and extend passes (mixed ones too) go through one kernel (AVX2, AVX-512 or AVX512-BF16, by CPU class) that reads each sequence's
-K/V rows in place through its slot indices: no gathered copy of the prefix, no padded batch,
+Decode and extend passes (mixed ones too) go through one kernel (AVX2, AVX-512 or AVX512-BF16,
+by CPU class: :func:`kernels.cpu.attention_kernel`) that reads each sequence's K/V rows in place
+through its slot indices: no gathered copy of the prefix, no padded batch,
 no mask tensor. Partitions of 512 positions run as separate work items (flash-decoding), so a
 single long sequence uses every core, and a token's output does not depend on the rest of the
-batch (see ``csrc/attention.cpp``). The backend also offers the decoder layer fused ops
+batch (see ``csrc/attention_impl.h``). The backend also offers the decoder layer fused ops
 (``fused = True``): RMSNorm, residual add + RMSNorm, RoPE + K/V store, SiLU * up
 (``csrc/fused.cpp``).
 """
@@ -32,6 +33,8 @@ class CPUAttention:
     def __init__(self, k_buffers: list[torch.Tensor], v_buffers: list[torch.Tensor],
                  kernel: str = "avx2"):
         self._attention = native.attention_op(kernel)
+        self._silu_mul = (torch.ops.sgl_cpu.silu_mul if kernel == "avx2"
+                          else torch.ops.sgl_cpu_vnni.silu_mul)
         self.kernel = kernel
         self.k_buffers = k_buffers
         self.v_buffers = v_buffers
@@ -66,10 +69,10 @@ class CPUAttention:
             return rms_norm(residual, weight, eps)
         return torch.ops.sgl_cpu.add_rms_norm(x.contiguous(), residual, weight, eps)
 
-    @staticmethod
-    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up of gate_up [T, 2I] (the halves). Returns [T, I]."""
-        return torch.ops.sgl_cpu.silu_mul(gate_up.contiguous())
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of gate_up [T, 2I] (the halves). Returns [T, I]. On the AVX-512
+        kernels' library where the attention runs there (its 16-lane op)."""
+        return self._silu_mul(gate_up.contiguous())
 
     def rope_store(self, layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    num_q: int, num_kv: int, head_dim: int) -> torch.Tensor:

@@ -200,6 +200,30 @@ def test_attention_of_a_token_is_the_same_in_decode_and_in_any_extend(attention_
 
 
 @needs_native
+@pytest.mark.parametrize("library", ["sgl_cpu", "sgl_cpu_vnni"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_matches_torch_and_is_row_invariant(library, dtype):
+    """silu(gate) rounded to the dtype, times up (torch's rounding points), for widths with and
+    without a vector tail; a row alone gives the same bits as in the batch."""
+    if library == "sgl_cpu_vnni" and not native.available("avx512_vnni"):
+        pytest.skip(native.unavailable_reason("avx512_vnni"))
+    op = getattr(torch.ops, library).silu_mul
+    torch.manual_seed(3)
+    for width in (1536, 40, 7):
+        gate_up = (torch.randn(9, 2 * width) * 4).to(dtype)
+        gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # exp's clamps and zeros
+        gate, up = gate_up.float().chunk(2, dim=-1)
+        want = torch.nn.functional.silu(gate).to(dtype).float() * up
+        got = op(gate_up)
+        assert got.dtype == dtype and got.shape == (9, width)
+        tol = 1e-6 if dtype == torch.float32 else 1e-2
+        assert ((got.float() - want).abs() <= tol * (1 + want.abs())).all()
+        assert torch.equal(op(gate_up[4:5].contiguous()), got[4:5])
+    with pytest.raises(RuntimeError, match="float32 or bfloat16|2 I"):
+        op(torch.randn(2, 3))
+
+
+@needs_native
 def test_the_attention_kernel_follows_the_cpu_class(make_tiny_model):
     """The fastest attention kernel the configured class allows and the machine runs;
     --cpu-isa avx2 / avx512_vnni keep the narrower ones (so each path can be tested on a bigger

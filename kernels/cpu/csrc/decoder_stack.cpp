@@ -36,6 +36,7 @@ enum AttentionKind : int64_t { AVX2_ATTENTION = 0, AVX512_ATTENTION = 1, BF16_AT
 using AttentionOp = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                const at::Tensor&, double, int64_t, double);
+using SiluOp = at::Tensor(const at::Tensor&);
 using Int4Op = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t);
 using Int8Op = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&);
 
@@ -118,10 +119,12 @@ class DecoderStack : public torch::CustomClassHolder {
     attention_kind_ = ints[9 * layers + 3];
     TORCH_CHECK(attention_kind_ >= AVX2_ATTENTION && attention_kind_ <= BF16_ATTENTION,
                 "unknown attention kind ", attention_kind_);
-    if (attention_kind_ != AVX2_ATTENTION)
+    if (attention_kind_ != AVX2_ATTENTION) {  // the AVX-512 library's ops (CPUAttention's)
       attention_op_ = op<AttentionOp>(attention_kind_ == AVX512_ATTENTION
                                           ? "sgl_cpu_vnni::attention"
                                           : "sgl_cpu_vnni::attention_bf16");
+      silu_op_ = op<SiluOp>("sgl_cpu_vnni::silu_mul");
+    }
     eps_ = floats[0];
     scale_ = floats[1];
     softcap_ = floats[2];
@@ -166,7 +169,7 @@ class DecoderStack : public torch::CustomClassHolder {
       at::Tensor act = layer.linears[2](h);
       {
         RECORD_FUNCTION("sgl_cpu::silu_mul", std::vector<c10::IValue>());
-        act = silu_mul(act);
+        act = silu_op_ ? silu_op_->call(act) : silu_mul(act);
       }
       const at::Tensor out = layer.linears[3](act);
       {
@@ -189,6 +192,7 @@ class DecoderStack : public torch::CustomClassHolder {
   at::Tensor final_norm_;
   int64_t num_q_ = 0, num_kv_ = 0, head_dim_ = 0, attention_kind_ = AVX2_ATTENTION;
   std::optional<c10::TypedOperatorHandle<AttentionOp>> attention_op_;
+  std::optional<c10::TypedOperatorHandle<SiluOp>> silu_op_;
   double eps_ = 0, scale_ = 0, softcap_ = 0;
 };
 

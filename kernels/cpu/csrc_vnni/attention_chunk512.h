@@ -16,6 +16,7 @@
 #include <immintrin.h>
 
 #include "../csrc/attention_common.h"
+#include "vec512.h"
 
 #include <algorithm>
 #include <cmath>
@@ -27,40 +28,6 @@ namespace {
 #define SGL_INLINE inline __attribute__((always_inline))
 
 static_assert(CHUNK == 32, "the kernel holds a chunk's scores in two vectors");
-
-SGL_INLINE __m512 load16(const float* p, __mmask16 m) {
-  return m == 0xFFFF ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(m, p);
-}
-SGL_INLINE __m512 load16(const c10::BFloat16* p, __mmask16 m) {
-  const __m256i h = m == 0xFFFF ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
-                                : _mm256_maskz_loadu_epi16(m, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-// the lanes of the first `n` (0 .. 16, clamped) of 16 floats
-SGL_INLINE __mmask16 lanes(int64_t n) {
-  return n >= 16 ? __mmask16(0xFFFF) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1);
-}
-
-// exp(x) on 16 lanes: x = n ln 2 + r (n = round(x / ln 2), ln 2 in two parts, |r| <= ln 2 / 2),
-// exp(r) by Cephes' expf polynomial (as vec.h's exp256), scaled by 2^n with vscalefps;
-// relative error ~1e-7; x < -87.3 (so -inf) and NaN give 0, large x gives inf.
-SGL_INLINE __m512 exp512(__m512 x) {
-  const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_GE_OQ);
-  x = _mm512_min_ps(x, _mm512_set1_ps(88.3f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_maskz_scalef_ps(keep, y, n);
-}
 
 // reduce16's stages: each takes vectors a and b of partials and returns one vector holding,
 // in half its lanes, a's partials summed pairwise, in the other half b's.

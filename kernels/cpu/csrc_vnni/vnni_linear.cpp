@@ -39,6 +39,7 @@
 #include <torch/library.h>
 
 #include "../csrc/linear_inputs.h"
+#include "vec512.h"
 
 #include <algorithm>
 #include <cstring>
@@ -56,27 +57,9 @@ constexpr int64_t MAX_MT = 4;       // activation rows per register tile
 constexpr int64_t MB = 64;          // activation rows per cache block (a multiple of MAX_MT)
 constexpr int64_t PREFETCH = 4;     // weight blocks prefetched ahead of the one computed
 
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-// round-to-nearest-even, NaN -> 0x7FC0: exactly c10::BFloat16(float), in registers
-inline void store16(c10::BFloat16* p, __m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(
-      _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb)), 16);
-  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
-}
-template <typename T>
-inline void store_n(T* p, __m512 v, int64_t n) {
-  alignas(64) float buf[16];
-  _mm512_store_ps(buf, v);
-  for (int64_t i = 0; i < n; ++i) p[i] = static_cast<T>(buf[i]);
-}
+using sgl_cpu::lanes;
+using sgl_cpu::load16;
+using sgl_cpu::store16;
 
 inline __m512i bcast4(const int8_t* p) {
   int32_t v;
@@ -181,7 +164,7 @@ inline void q4_tile(const uint8_t* w, int64_t tile_bytes, int64_t G, const int8_
     for (int i = 0; i < NT; ++i) {
       const int64_t n = std::min<int64_t>(TILE, n_valid - i * TILE);
       if (n == TILE) store16(y + r * ldy + i * TILE, facc[i][r]);
-      else if (n > 0) store_n(y + r * ldy + i * TILE, facc[i][r], n);
+      else if (n > 0) store16(y + r * ldy + i * TILE, facc[i][r], lanes(n));
     }
 }
 
@@ -235,7 +218,7 @@ inline void q8_tile(const uint8_t* w, int64_t tile_bytes, int64_t G, const int8_
     for (int r = 0; r < MT; ++r) {
       const __m512 v = _mm512_mul_ps(facc[i][r], s);
       if (n == TILE) store16(y + r * ldy + i * TILE, v);
-      else store_n(y + r * ldy + i * TILE, v, n);
+      else store16(y + r * ldy + i * TILE, v, lanes(n));
     }
   }
 }

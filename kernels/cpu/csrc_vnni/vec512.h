@@ -1,0 +1,77 @@
+// AVX-512 helpers shared by the sgl_cpu_vnni kernels: 16-lane float32 loads and stores from
+// float32 or bfloat16 memory (masked for tails), bfloat16 rounding in registers, and exp.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+
+#include <cstdint>
+#include <type_traits>
+
+namespace sgl_cpu {
+
+inline __m512 load16(const float* p, __mmask16 m = 0xFFFF) {
+  return m == 0xFFFF ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(m, p);
+}
+inline __m512 load16(const c10::BFloat16* p, __mmask16 m = 0xFFFF) {
+  const __m256i h = m == 0xFFFF ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                                : _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// the lanes of the first `n` (0 .. 16, clamped) of 16 floats
+inline __mmask16 lanes(int64_t n) {
+  return n >= 16 ? __mmask16(0xFFFF) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1);
+}
+
+// exp(x) on 16 lanes: x = n ln 2 + r (n = round(x / ln 2), ln 2 in two parts, |r| <= ln 2 / 2),
+// exp(r) by Cephes' expf polynomial (as vec.h's exp256), scaled by 2^n with vscalefps;
+// relative error ~1e-7; x < -87.3 (so -inf) and NaN give 0, large x gives inf.
+inline __m512 exp512(__m512 x) {
+  const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_GE_OQ);
+  x = _mm512_min_ps(x, _mm512_set1_ps(88.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_maskz_scalef_ps(keep, y, n);
+}
+
+// The bits of bfloat16(v) in the high half of each lane (low half zero): round to nearest
+// even, NaN -> 0x7FC0, exactly as c10::BFloat16(float).
+inline __m512i bf16_bits_hi(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_and_si512(
+      _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb)),
+      _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                               _mm512_set1_epi32(0x7FC00000));
+}
+
+inline void store16(float* p, __m512 v, __mmask16 m = 0xFFFF) {
+  if (m == 0xFFFF) _mm512_storeu_ps(p, v);
+  else _mm512_mask_storeu_ps(p, m, v);
+}
+// float32 -> bfloat16, rounded as c10::BFloat16(float)
+inline void store16(c10::BFloat16* p, __m512 v, __mmask16 m = 0xFFFF) {
+  const __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_bits_hi(v), 16));
+  if (m == 0xFFFF) _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h);
+  else _mm256_mask_storeu_epi16(p, m, h);
+}
+
+// v rounded to T and back to float32 (what static_cast<float>(static_cast<T>(v)) gives)
+template <typename T>
+inline __m512 round_to(__m512 v) {
+  if constexpr (std::is_same_v<T, float>) return v;
+  else return _mm512_castsi512_ps(bf16_bits_hi(v));
+}
+
+}  // namespace sgl_cpu
