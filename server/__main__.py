@@ -56,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
       "triton or flashinfer")
     a("--cpu-isa", default="auto", choices=CPU_ISAS, help="the CPU class to plan for: auto "
       "(detected, or $SGL_CPU_ISA), none (torch's own ops only), avx2, avx512, avx512_vnni "
-      "(the VNNI linear kernels), avx512_bf16 or amx; a lower class than the machine's runs "
+      "(the VNNI linear kernels, AVX-512 attention), avx512_bf16 (bf16 dot-product attention) "
+      "or amx; a lower class than the machine's runs "
       "that class's code paths, a higher one only its dtype choice (bf16, emulated without the "
       "instructions)")
     a("--quantization", default="auto", choices=QUANTIZATION_MODES, help="weights kept "
