@@ -26,7 +26,8 @@ constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 //       const float* const* q, float* const* out, const float* const* valid, float scale,
 //       float softcap, float* prs);
 // one chunk of the online softmax for `units` (query token, head) units: q[u] [8 NV] float32
-// (multiplied by scale already where kPrescaled, else the kernel scales the scores), out[u] =
+// multiplied by scale where kPrescaled, else q's own elements as they came (bfloat16 pairs for
+// the one such kernel, which scales the scores), out[u] =
 // (running max m, running sum l, acc [8 NV]) updated in place, valid[u] [CHUNK] 0 / -inf per
 // position (nullptr: every position valid), prs scratch [units][CHUNK] floats; and
 //   static constexpr bool kPrescaled, kStage;

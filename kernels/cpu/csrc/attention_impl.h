@@ -31,6 +31,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -187,8 +188,12 @@ void run(const at::Tensor& q, const at::Tensor& kbuf, const at::Tensor& vbuf,
         for (int g = 0; g < group; ++g) {
           const T* src = qp + tk * q_stride + (it.head * group + g) * D;
           float* dst = qs.data() + (nrows * group + g) * D;
-          const __m256 f = _mm256_set1_ps(Chunk::kPrescaled ? scale : 1.0f);
-          for (int64_t d = 0; d < D; d += 8) store8(dst + d, _mm256_mul_ps(load8(src + d), f));
+          if constexpr (Chunk::kPrescaled) {
+            const __m256 f = _mm256_set1_ps(scale);
+            for (int64_t d = 0; d < D; d += 8) store8(dst + d, _mm256_mul_ps(load8(src + d), f));
+          } else {  // the chunk kernel reads q as it came (bfloat16 pairs) and scales scores
+            std::memcpy(dst, src, D * sizeof(T));
+          }
         }
         rows[nrows].lo = std::max(tok_lo[tk], it.part * PART);
         rows[nrows].pos = std::min(tok_pos[tk], (it.part + 1) * PART - 1);

@@ -17,7 +17,6 @@
 #include "attention_chunk512.h"
 
 #include <cstring>
-#include <vector>
 
 #pragma GCC push_options
 #pragma GCC target("avx512bf16")
@@ -161,23 +160,14 @@ struct Bf16Chunk {
       constexpr int QU = 6;  // units per pass over kt: 12 independent chains
       alignas(64) uint32_t kt[D / 2 * CHUNK];
       alignas(64) uint32_t vp[CHUNK / 2 * D];
-      thread_local std::vector<__m512i> qbuf;  // units x D / 2 pairs (64-byte aligned)
-      qbuf.resize(TILE * MAX_GROUP * D / 32);
-      uint32_t* qws = reinterpret_cast<uint32_t*>(qbuf.data());
       const uint32_t* qw[TILE * MAX_GROUP];
       const uint32_t* pw[TILE * MAX_GROUP];
       float* accs[TILE * MAX_GROUP];
       float corrs[TILE * MAX_GROUP];
       transpose_k<D>(rows, kt);
       interleave_v<D>(rows, vp);
-      for (int u = 0; u < units; ++u) {  // q holds bf16 values: rounding them back is exact
-        for (int64_t d = 0; d < D; d += 32) {
-          const __m512bh b = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q[u] + d + 16),
-                                                 _mm512_loadu_ps(q[u] + d));
-          _mm512_store_si512(qws + u * D / 2 + d / 2, (__m512i)b);
-        }
-        qw[u] = qws + u * D / 2;
-      }
+      for (int u = 0; u < units; ++u)  // the driver passes q as it came: bfloat16 pairs
+        qw[u] = reinterpret_cast<const uint32_t*>(q[u]);
       __m512 sc[QU][CHUNK / 16];
       for (int u0 = 0; u0 < units; u0 += QU) {
         const int n = std::min(QU, units - u0);
