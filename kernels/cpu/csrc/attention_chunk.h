@@ -36,11 +36,8 @@ inline void qk_block(const float* const* q, const ChunkRows<T>& rows, __m256 (*s
   for (int v = 0; v < CHUNK / 8; ++v) {
     for (int j = 0; j < 8; ++j) {
       const T* k = rows.k[8 * v + j];
-      // rows scattered by slot index defeat the hardware prefetchers; prefetching one position
-      // per K row read spreads the misses over the compute instead of bursting them
-      for (int i = 0; i < 2; ++i)
-        if (const char* nx = rows.ahead[8 * v + j][i])
-          for (int64_t b = 0; b < rows.ahead_bytes; b += 64) _mm_prefetch(nx + b, _MM_HINT_T0);
+      rows.prefetch(8 * v + j, 0);
+      rows.prefetch(8 * v + j, 1);
       __m256 d[U];
       if (k == nullptr) {
         for (int u = 0; u < U; ++u) d[u] = _mm256_setzero_ps();

@@ -50,12 +50,25 @@ inline float hmax(__m256 v) {
 
 // Rows of one chunk: for each of its CHUNK positions, the K and V rows (float32 or bfloat16,
 // [D] each), or nullptr for positions outside [a, e) (their scores are masked, they add nothing).
+// Prefetch `bytes` from p into L1, a cache line at a time (nothing when p is nullptr).
+inline __attribute__((always_inline)) void prefetch_row(const char* p, int64_t bytes) {
+  if (p != nullptr)
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+}
+
 template <typename T>
 struct ChunkRows {
   const T* k[CHUNK];
   const T* v[CHUNK];
   const char* ahead[CHUNK][2];  // K and V rows AHEAD positions on, to prefetch (or nullptr)
   int64_t ahead_bytes;          // bytes per such row
+
+  // Prefetch the K (which = 0) or V (1) row AHEAD positions after position j, if any: rows
+  // scattered by slot index defeat the hardware prefetchers; one row per row read spreads the
+  // misses over the compute instead of bursting them.
+  __attribute__((always_inline)) void prefetch(int64_t j, int which) const {
+    prefetch_row(ahead[j][which], ahead_bytes);
+  }
 };
 
 }  // namespace

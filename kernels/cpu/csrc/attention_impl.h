@@ -95,11 +95,8 @@ void attend_tile(const float* q, const Row* rows, int nrows, int group, const KV
       direct.ahead[j][1] = vn;
       staged.ahead[j][0] = staged.ahead[j][1] = nullptr;
       if (stage) {
-        if (pf)
-          for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(KV)); b += 64) {
-            _mm_prefetch(kn + b, _MM_HINT_T0);
-            _mm_prefetch(vn + b, _MM_HINT_T0);
-          }
+        prefetch_row(kn, direct.ahead_bytes);  // nothing when kn is nullptr (not pf)
+        prefetch_row(vn, direct.ahead_bytes);
         staged.k[j] = in ? kst + j * D : nullptr;
         staged.v[j] = in ? vst + j * D : nullptr;
         if (in)

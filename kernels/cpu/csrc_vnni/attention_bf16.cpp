@@ -16,7 +16,6 @@
 #include "../csrc/attention_impl.h"
 #include "attention_chunk512.h"
 
-#include <cstring>
 
 #pragma GCC push_options
 #pragma GCC target("avx512bf16")
@@ -51,17 +50,12 @@ SGL_INLINE void transpose16(__m512i* r) {
   }
 }
 
-SGL_INLINE void prefetch_rows(const ChunkRows<c10::BFloat16>& rows, int j, int which) {
-  if (const char* nx = rows.ahead[j][which])
-    for (int64_t o = 0; o < rows.ahead_bytes; o += 64) _mm_prefetch(nx + o, _MM_HINT_T0);
-}
-
 // kt[c][p] = the 32-bit pair (k[p][2c], k[p][2c + 1]) for the chunk's 32 positions (0 where a
 // row is missing); kt: [D / 2][CHUNK] 32-bit words.
 template <int64_t D>
 SGL_INLINE void transpose_k(const ChunkRows<c10::BFloat16>& rows, uint32_t* kt) {
   for (int h = 0; h < CHUNK / 16; ++h) {
-    for (int j = 16 * h; j < 16 * h + 16; ++j) prefetch_rows(rows, j, 0);
+    for (int j = 16 * h; j < 16 * h + 16; ++j) rows.prefetch(j, 0);
     for (int64_t c0 = 0; c0 < D / 2; c0 += 16) {
       __m512i r[16];
       for (int i = 0; i < 16; ++i) {
@@ -83,8 +77,8 @@ SGL_INLINE void interleave_v(const ChunkRows<c10::BFloat16>& rows, uint32_t* vp)
   const __m512i lo = _mm512_load_si512(LO);
   const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
   for (int i = 0; i < CHUNK / 2; ++i) {
-    prefetch_rows(rows, 2 * i, 1);
-    prefetch_rows(rows, 2 * i + 1, 1);
+    rows.prefetch(2 * i, 1);
+    rows.prefetch(2 * i + 1, 1);
     const c10::BFloat16* a = rows.v[2 * i];
     const c10::BFloat16* b = rows.v[2 * i + 1];
     for (int64_t d0 = 0; d0 < D; d0 += 32) {

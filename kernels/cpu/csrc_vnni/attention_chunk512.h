@@ -75,10 +75,10 @@ SGL_INLINE void quarter(const __m512 (*qv)[NV16], const ChunkRows<T>& rows, int 
   __m512 a[U], b[U], z[U];
   for (int i = 0; i < 2; ++i) {
     const int s0 = s + 4 * i;
-    for (int j : {base + SLOT_OF[s0], base + SLOT_OF[s0 + 8]})
-      for (int r = 0; r < 2; ++r)
-        if (const char* nx = rows.ahead[j][r])
-          for (int64_t o = 0; o < rows.ahead_bytes; o += 64) _mm_prefetch(nx + o, _MM_HINT_T0);
+    for (int j : {base + SLOT_OF[s0], base + SLOT_OF[s0 + 8]}) {
+      rows.prefetch(j, 0);
+      rows.prefetch(j, 1);
+    }
     partials<U, NV16>(qv, rows.k[base + SLOT_OF[s0]], tail, a);
     partials<U, NV16>(qv, rows.k[base + SLOT_OF[s0 + 8]], tail, b);
     for (int u = 0; u < U; ++u) {
@@ -128,15 +128,14 @@ SGL_INLINE void pv_block(float* const* acc, const float* const* p, const float* 
     const T* vrow = rows.v[j];
     if (vrow == nullptr) continue;
     __m512 vv[W];
-    for (int w = 0; w < W; ++w)
-      vv[w] = FULL ? load16(vrow + d0 + 16 * w, 0xFFFF) : load16(vrow + d0 + 16 * w, m[w]);
+    for (int w = 0; w < W; ++w) vv[w] = load16(vrow + d0 + 16 * w, m[w]);
     for (int u = 0; u < U; ++u) {
       const __m512 pj = _mm512_set1_ps(p[u][j]);
       for (int w = 0; w < W; ++w) a[u][w] = _mm512_fmadd_ps(pj, vv[w], a[u][w]);
     }
   }
   for (int u = 0; u < U; ++u)
-    for (int w = 0; w < W; ++w) _mm512_mask_storeu_ps(acc[u] + d0 + 16 * w, m[w], a[u][w]);
+    for (int w = 0; w < W; ++w) store16(acc[u] + d0 + 16 * w, a[u][w], m[w]);
 }
 
 template <int U, typename T>
