@@ -182,6 +182,15 @@ def vnni_int4_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -
     return torch.ops.sgl_cpu_vnni.int4_linear(x, packed, out_features)
 
 
+def vnni_int4_linear_silu(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The gate/up projection and SiLU * up in one pass: x [M, K] float32/bfloat16 and a fused
+    [gate; up] weight [2 I, K] packed by :func:`vnni_pack_int4` (``out_features`` = 2 I, I a
+    multiple of 16) -> silu(x @ gate.T) * (x @ up.T) [M, I] in x's dtype, bitwise
+    ``silu_mul(vnni_int4_linear(x, packed, 2 I))`` without the [M, 2 I] intermediate. Raises
+    RuntimeError for bad shapes/dtypes."""
+    return torch.ops.sgl_cpu_vnni.int4_linear_silu(x, packed, out_features)
+
+
 def vnni_int8_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x [M, K] float32/bfloat16 @ (w [N, K] int8 * scale [N] float32) transposed -> [M, N]
     in x's dtype, w packed by :func:`vnni_pack_int8`; x quantized as in

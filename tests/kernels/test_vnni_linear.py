@@ -77,6 +77,35 @@ def test_int4_matches_the_int8_activation_arithmetic_and_is_batch_invariant(m, n
     _assert_batch_invariant(fn, x, y)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 2, 5, 7, 67])
+@pytest.mark.parametrize("i,k", [(16, 32), (48, 96), (80, 576)])
+def test_fused_gate_up_silu_is_bitwise_the_unfused_pair(m, i, k, dtype):
+    """int4_linear_silu gives the bits of silu_mul(int4_linear(x)) (what the decoder stack ran
+    before fusing them), row by row whatever the batch; I not a multiple of 16 is refused."""
+    torch.manual_seed(m + i + k)
+    qw = quantize_int4(torch.randn(2 * i, k))
+    packed = native.vnni_pack_int4(qw.q, qw.scale, qw.zero)
+    x = (2 * torch.randn(m, k)).to(dtype)
+    fn = lambda a: native.vnni_int4_linear_silu(a, packed, 2 * i)  # noqa: E731
+    y = fn(x)
+    assert y.dtype == dtype and y.shape == (m, i)
+    unfused = torch.ops.sgl_cpu_vnni.silu_mul(native.vnni_int4_linear(x, packed, 2 * i))
+    assert torch.equal(y, unfused)
+    gate, up = (x.double() @ qw.dequantize().double().T).split(i, dim=1)
+    ref = torch.nn.functional.silu(gate) * up
+    assert ((y.double() - ref).abs().max() / ref.abs().max()) < 3e-2  # int8 activations
+    _assert_batch_invariant(fn, x, y)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        native.vnni_int4_linear_silu(x, native.vnni_pack_int4(*_q4_parts(2 * i + 16, k)),
+                                     2 * i + 16)
+
+
+def _q4_parts(n: int, k: int):
+    qw = quantize_int4(torch.randn(n, k))
+    return qw.q, qw.scale, qw.zero
+
+
 @pytest.mark.parametrize("m", [1, 4, 7, 70])
 @pytest.mark.parametrize("n,k", [(50, 96), (16, 32), (300, 576)])
 def test_int8_matches_the_int8_activation_arithmetic_and_is_batch_invariant(m, n, k):

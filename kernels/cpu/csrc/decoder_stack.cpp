@@ -124,6 +124,12 @@ class DecoderStack : public torch::CustomClassHolder {
                                           ? "sgl_cpu_vnni::attention"
                                           : "sgl_cpu_vnni::attention_bf16");
       silu_op_ = op<SiluOp>("sgl_cpu_vnni::silu_mul");
+      // gate/up + that SiLU in one VNNI call where the tiles split into gate and up halves
+      for (Layer& layer : layers_) {
+        const Linear& gate_up = layer.linears[2];
+        layer.fused_gate_up = gate_up.kind == VNNI_INT4 && !gate_up.bias.defined() &&
+                              gate_up.out_features % 32 == 0;
+      }
     }
     eps_ = floats[0];
     scale_ = floats[1];
@@ -166,8 +172,12 @@ class DecoderStack : public torch::CustomClassHolder {
         RECORD_FUNCTION("sgl_cpu::add_rms_norm", std::vector<c10::IValue>());
         h = add_rms_norm(o, x, layer.post_norm, eps_);
       }
-      at::Tensor act = layer.linears[2](h);
-      {
+      at::Tensor act;
+      if (layer.fused_gate_up) {  // the same values, without the [T, 2 I] intermediate
+        static const auto f = op<Int4Op>("sgl_cpu_vnni::int4_linear_silu");
+        act = f.call(h, layer.linears[2].packed, layer.linears[2].out_features);
+      } else {
+        act = layer.linears[2](h);
         RECORD_FUNCTION("sgl_cpu::silu_mul", std::vector<c10::IValue>());
         act = silu_op_ ? silu_op_->call(act) : silu_mul(act);
       }
@@ -186,6 +196,7 @@ class DecoderStack : public torch::CustomClassHolder {
     at::Tensor input_norm, post_norm;
     Linear linears[4];  // qkv_proj, o_proj, gate_up_proj, down_proj
     int64_t window;
+    bool fused_gate_up = false;  // sgl_cpu_vnni::int4_linear_silu runs gate_up and SiLU
   };
   std::vector<Layer> layers_;
   std::vector<at::Tensor> k_, v_;

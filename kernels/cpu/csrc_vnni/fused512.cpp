@@ -1,9 +1,8 @@
 // sgl_cpu_vnni::silu_mul: silu(gate) * up on 16 lanes (the AVX2 op: sgl_cpu::silu_mul in
 // ../csrc/fused.cpp), for the CPU classes whose attention runs in this library.
-//   gate_up [T, 2 I] float32/bfloat16 (the halves) -> [T, I] in its dtype; silu(x) = x / (1 +
-//   exp(-x)), the quotient by vrcp14ps and one Newton step (within ~2 ulp of the division),
-//   rounded to the dtype before the product as torch rounds it. Rows are independent and
-//   computed the same whatever the batch.
+//   gate_up [T, 2 I] float32/bfloat16 (the halves) -> [T, I] in its dtype, by
+//   sgl_cpu::silu_times (vec512.h). Rows are independent and computed the same whatever the
+//   batch.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -17,18 +16,12 @@ namespace {
 template <typename T>
 void silu_mul_rows(const T* g, T* o, int64_t T0, int64_t T1, int64_t I) {
   using sgl_cpu::load16;
-  const __m512 one = _mm512_set1_ps(1.0f), two = _mm512_set1_ps(2.0f);
   for (int64_t t = T0; t < T1; ++t) {
     const T* gt = g + t * 2 * I;
     T* ot = o + t * I;
     for (int64_t i = 0; i < I; i += 16) {
       const __mmask16 m = sgl_cpu::lanes(I - i);
-      const __m512 x = load16(gt + i, m);
-      const __m512 d = _mm512_add_ps(one, sgl_cpu::exp512(_mm512_sub_ps(_mm512_setzero_ps(), x)));
-      __m512 r = _mm512_rcp14_ps(d);
-      r = _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, two));  // r (2 - d r): one Newton step
-      const __m512 sx = sgl_cpu::round_to<T>(_mm512_mul_ps(x, r));
-      sgl_cpu::store16(ot + i, _mm512_mul_ps(sx, load16(gt + I + i, m)), m);
+      sgl_cpu::store16(ot + i, sgl_cpu::silu_times<T>(load16(gt + i, m), load16(gt + I + i, m)), m);
     }
   }
 }

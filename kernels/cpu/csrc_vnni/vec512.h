@@ -74,4 +74,16 @@ inline __m512 round_to(__m512 v) {
   else return _mm512_castsi512_ps(bf16_bits_hi(v));
 }
 
+// silu(g) * u on 16 lanes, g and u values of T (already rounded to it): silu(g) = g / (1 +
+// exp(-g)), the quotient by vrcp14ps and one Newton step (within ~2 ulp of the division),
+// rounded to T before the product as torch rounds it; the caller's store rounds the product.
+// sgl_cpu_vnni::silu_mul and the fused gate/up linear (vnni_linear.cpp) both compute it here.
+template <typename T>
+inline __m512 silu_times(__m512 g, __m512 u) {
+  const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g)));
+  __m512 r = _mm512_rcp14_ps(d);
+  r = _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.0f)));  // r (2 - d r): Newton
+  return _mm512_mul_ps(round_to<T>(_mm512_mul_ps(g, r)), u);
+}
+
 }  // namespace sgl_cpu

@@ -53,8 +53,8 @@ constexpr int64_t QK = 32;          // inputs per block
 constexpr int64_t TILE = 16;        // output features per tile (one zmm of int32 lanes)
 constexpr int64_t Q4_BLOCK = 320;   // bytes per (tile, block), int4
 constexpr int64_t Q8_BLOCK = 512;   // bytes per (tile, block), int8
-constexpr int64_t MAX_MT = 4;       // activation rows per register tile
-constexpr int64_t MB = 64;          // activation rows per cache block (a multiple of MAX_MT)
+constexpr int64_t MAX_MT = 6;       // activation rows per register tile
+constexpr int64_t MB = 66;          // activation rows per cache block (a multiple of MAX_MT)
 constexpr int64_t PREFETCH = 4;     // weight blocks prefetched ahead of the one computed
 
 using sgl_cpu::lanes;
@@ -114,9 +114,11 @@ QuantizedRows quantize_rows(const T* x, int64_t M, int64_t K) {
   return {qp, dp, sp, cp};
 }
 
-// y[m0 .. m0+MT, 16 NT features] for int4 tiles at w (tile i at w + i * tile_bytes).
-template <int NT, int MT, typename T>
-inline void q4_tile(const uint8_t* w, int64_t tile_bytes, int64_t G, const int8_t* qx,
+// y[m0 .. m0+MT, 16 NT features] for the int4 tiles w[0 .. NT). With SILU the tiles are
+// (gate, up) pairs and y gets silu(gate) * up, 16 NT / 2 features: the values
+// sgl_cpu_vnni::silu_mul gives on the unfused output (both rounded to T first).
+template <int NT, int MT, bool SILU, typename T>
+inline void q4_tile(const uint8_t* const (&w)[NT], int64_t G, const int8_t* qx,
                     const float* dx, const float* cx, int64_t K, T* y, int64_t ldy,
                     int64_t n_valid) {
   __m512 facc[NT][MT];
@@ -124,18 +126,20 @@ inline void q4_tile(const uint8_t* w, int64_t tile_bytes, int64_t G, const int8_
     for (int r = 0; r < MT; ++r) facc[i][r] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi8(0x0F);
   for (int64_t g = 0; g < G; ++g) {
-    __m512i lo_acc[NT][MT], hi_acc[NT][MT];
+    // One int32 accumulator per (tile, row) takes both nibbles' products: the block sum is
+    // exact whatever the order, and the freed registers hold more rows per weight unpacked.
+    __m512i acc[NT][MT];
     for (int i = 0; i < NT; ++i)
-      for (int r = 0; r < MT; ++r) lo_acc[i][r] = hi_acc[i][r] = _mm512_setzero_si512();
+      for (int r = 0; r < MT; ++r) acc[i][r] = _mm512_setzero_si512();
     if (g + PREFETCH < G)  // the NT weight streams, PREFETCH blocks ahead
       for (int i = 0; i < NT; ++i)
         for (int line = 0; line < Q4_BLOCK; line += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(w + i * tile_bytes + (g + PREFETCH) * Q4_BLOCK + line),
+          _mm_prefetch(reinterpret_cast<const char*>(w[i] + (g + PREFETCH) * Q4_BLOCK + line),
                        _MM_HINT_T0);
     for (int c = 0; c < 4; ++c) {
       __m512i lo[NT], hi[NT];
       for (int i = 0; i < NT; ++i) {
-        const __m512i v = _mm512_loadu_si512(w + i * tile_bytes + g * Q4_BLOCK + 64 + 64 * c);
+        const __m512i v = _mm512_loadu_si512(w[i] + g * Q4_BLOCK + 64 + 64 * c);
         lo[i] = _mm512_and_si512(v, low);
         hi[i] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
       }
@@ -143,29 +147,37 @@ inline void q4_tile(const uint8_t* w, int64_t tile_bytes, int64_t G, const int8_
         const int8_t* xr = qx + r * K + g * QK + 8 * c;
         const __m512i xa = bcast4(xr), xb = bcast4(xr + 4);
         for (int i = 0; i < NT; ++i) {
-          lo_acc[i][r] = _mm512_dpbusd_epi32(lo_acc[i][r], lo[i], xa);
-          hi_acc[i][r] = _mm512_dpbusd_epi32(hi_acc[i][r], hi[i], xb);
+          acc[i][r] = _mm512_dpbusd_epi32(acc[i][r], lo[i], xa);
+          acc[i][r] = _mm512_dpbusd_epi32(acc[i][r], hi[i], xb);
         }
       }
     }
     for (int i = 0; i < NT; ++i) {
-      const uint8_t* b = w + i * tile_bytes + g * Q4_BLOCK;
+      const uint8_t* b = w[i] + g * Q4_BLOCK;
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)));
       const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32)));
       for (int r = 0; r < MT; ++r) {
-        const __m512 isum = _mm512_cvtepi32_ps(_mm512_add_epi32(lo_acc[i][r], hi_acc[i][r]));
+        const __m512 isum = _mm512_cvtepi32_ps(acc[i][r]);
         facc[i][r] = _mm512_fmadd_ps(isum, _mm512_mul_ps(d, _mm512_set1_ps(dx[r * G + g])),
                                      facc[i][r]);
         facc[i][r] = _mm512_fmadd_ps(m, _mm512_set1_ps(cx[r * G + g]), facc[i][r]);
       }
     }
   }
-  for (int r = 0; r < MT; ++r)
-    for (int i = 0; i < NT; ++i) {
-      const int64_t n = std::min<int64_t>(TILE, n_valid - i * TILE);
-      if (n == TILE) store16(y + r * ldy + i * TILE, facc[i][r]);
-      else if (n > 0) store16(y + r * ldy + i * TILE, facc[i][r], lanes(n));
-    }
+  if constexpr (SILU) {
+    for (int r = 0; r < MT; ++r)
+      for (int j = 0; j < NT / 2; ++j)
+        store16(y + r * ldy + j * TILE,
+                sgl_cpu::silu_times<T>(sgl_cpu::round_to<T>(facc[2 * j][r]),
+                                       sgl_cpu::round_to<T>(facc[2 * j + 1][r])));
+  } else {
+    for (int r = 0; r < MT; ++r)
+      for (int i = 0; i < NT; ++i) {
+        const int64_t n = std::min<int64_t>(TILE, n_valid - i * TILE);
+        if (n == TILE) store16(y + r * ldy + i * TILE, facc[i][r]);
+        else if (n > 0) store16(y + r * ldy + i * TILE, facc[i][r], lanes(n));
+      }
+  }
 }
 
 template <int NT, int MT, typename T>
@@ -176,9 +188,9 @@ inline void q8_tile(const uint8_t* w, int64_t tile_bytes, int64_t G, const int8_
   for (int i = 0; i < NT; ++i)
     for (int r = 0; r < MT; ++r) facc[i][r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
-    __m512i acc0[NT][MT], acc1[NT][MT];
+    __m512i acc[NT][MT];  // one per (tile, row), as q4_tile's
     for (int i = 0; i < NT; ++i)
-      for (int r = 0; r < MT; ++r) acc0[i][r] = acc1[i][r] = _mm512_setzero_si512();
+      for (int r = 0; r < MT; ++r) acc[i][r] = _mm512_setzero_si512();
     if (g + PREFETCH < G)
       for (int i = 0; i < NT; ++i)
         for (int line = 0; line < Q8_BLOCK; line += 64)
@@ -195,8 +207,8 @@ inline void q8_tile(const uint8_t* w, int64_t tile_bytes, int64_t G, const int8_
         const int8_t* xr = qx + r * K + g * QK + 4 * c;
         const __m512i xa = bcast4(xr), xb = bcast4(xr + 4);
         for (int i = 0; i < NT; ++i) {
-          acc0[i][r] = _mm512_dpbusd_epi32(acc0[i][r], u0[i], xa);
-          acc1[i][r] = _mm512_dpbusd_epi32(acc1[i][r], u1[i], xb);
+          acc[i][r] = _mm512_dpbusd_epi32(acc[i][r], u0[i], xa);
+          acc[i][r] = _mm512_dpbusd_epi32(acc[i][r], u1[i], xb);
         }
       }
     }
@@ -204,7 +216,7 @@ inline void q8_tile(const uint8_t* w, int64_t tile_bytes, int64_t G, const int8_
       const __m512i corr = _mm512_set1_epi32(128 * sx[r * G + g]);
       const __m512 d = _mm512_set1_ps(dx[r * G + g]);
       for (int i = 0; i < NT; ++i) {
-        const __m512i isum = _mm512_sub_epi32(_mm512_add_epi32(acc0[i][r], acc1[i][r]), corr);
+        const __m512i isum = _mm512_sub_epi32(acc[i][r], corr);
         facc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), d, facc[i][r]);
       }
     }
@@ -232,7 +244,9 @@ inline void with_tile(int64_t nt, int64_t mt, F&& f) {
       case 1: f.template operator()<NTI, 1>(); break;
       case 2: f.template operator()<NTI, 2>(); break;
       case 3: f.template operator()<NTI, 3>(); break;
-      default: f.template operator()<NTI, 4>(); break;
+      case 4: f.template operator()<NTI, 4>(); break;
+      case 5: f.template operator()<NTI, 5>(); break;
+      default: f.template operator()<NTI, 6>(); break;
     }
   };
   if (nt == 4) by_mt(std::integral_constant<int, 4>{});
@@ -240,12 +254,11 @@ inline void with_tile(int64_t nt, int64_t mt, F&& f) {
   else by_mt(std::integral_constant<int, 1>{});
 }
 
-// Runs tile(t0, nt, m0, mt) over [0, tiles) x [0, M): feature tiles split over threads in
-// contiguous ranges, each range walked in groups of `group` tiles (fewer at its end), rows in
-// cache blocks of MB and register tiles of MAX_MT.
+// Runs tile(t0, nt, m0, mt) over [0, units) x [0, M): units (feature tiles, or gate/up tile
+// pairs) split over threads in contiguous ranges, each range walked in groups of `group` units
+// (4 or 2; fewer at its end), rows in cache blocks of MB and register tiles of MAX_MT.
 template <typename Tile>
-void for_tiles(int64_t tiles, int64_t M, Tile tile) {
-  const int64_t group = M == 1 ? 4 : 2;
+void for_tiles(int64_t tiles, int64_t M, int64_t group, Tile tile) {
   at::parallel_for(0, tiles, group, [&](int64_t lo, int64_t hi) {
     for (int64_t m0 = 0; m0 < M; m0 += MB) {
       const int64_t m1 = std::min(M, m0 + MB);
@@ -266,19 +279,22 @@ void check_packed(const at::Tensor& packed, int64_t N, int64_t tile_bytes, const
               "(sgl_cpu_vnni.", packer, " of a [", N, ", K] weight)");
 }
 
-// y [M, N] in x's dtype: x quantized, then tile.template operator()<NT, MT, T>(t, m0, q,
-// y + m0 * N + t * TILE) over every (feature tile group, row tile) of for_tiles.
+// y [M, N] in x's dtype: x quantized, then tile.template operator()<NU, MT, T>(u, m0, q,
+// y + m0 * N + u * TILE) over every (group of NU units, row tile) of for_tiles; a unit is 16
+// output features (one feature tile, or with a fused SiLU a gate/up tile pair).
 template <typename Tile>
-at::Tensor run_linear(const at::Tensor& x, int64_t N, Tile&& tile) {
-  const int64_t M = x.size(0), K = x.size(1), tiles = (N + TILE - 1) / TILE;
+at::Tensor run_linear(const at::Tensor& x, int64_t N, int64_t group_of_one_row,
+                      int64_t group, Tile&& tile) {
+  const int64_t M = x.size(0), K = x.size(1), units = (N + TILE - 1) / TILE;
   auto y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   auto run = [&](auto* xp, auto* yp) {
     using T = std::remove_pointer_t<decltype(xp)>;
     const QuantizedRows q = quantize_rows(xp, M, K);
-    for_tiles(tiles, M, [&](int64_t t, int64_t nt, int64_t m0, int64_t mt) {
-      with_tile(nt, mt, [&]<int NTI, int MTI>() {
-        tile.template operator()<NTI, MTI, T>(t, m0, q, yp + m0 * N + t * TILE);
+    for_tiles(units, M, M == 1 ? group_of_one_row : group,
+              [&](int64_t u, int64_t nu, int64_t m0, int64_t mt) {
+      with_tile(nu, mt, [&]<int NU, int MTI>() {
+        tile.template operator()<NU, MTI, T>(u, m0, q, yp + m0 * N + u * TILE);
       });
     });
   };
@@ -347,10 +363,38 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N)
   sgl_cpu::check_x(x, K, QK);
   check_packed(packed, N, tile_bytes, "pack_int4");
   const uint8_t* w = packed.data_ptr<uint8_t>();
-  return run_linear(x, N, [&]<int NT, int MT, typename T>(int64_t t, int64_t m0,
-                                                           const QuantizedRows& q, T* y) {
-    q4_tile<NT, MT, T>(w + t * tile_bytes, tile_bytes, G, q.qx + m0 * K, q.dx + m0 * G,
-                       q.cx + m0 * G, K, y, N, N - t * TILE);
+  return run_linear(x, N, 4, 2, [&]<int NT, int MT, typename T>(int64_t t, int64_t m0,
+                                                                 const QuantizedRows& q, T* y) {
+    const uint8_t* tiles[NT];
+    for (int i = 0; i < NT; ++i) tiles[i] = w + (t + i) * tile_bytes;
+    q4_tile<NT, MT, false, T>(tiles, G, q.qx + m0 * K, q.dx + m0 * G, q.cx + m0 * G, K, y, N,
+                              N - t * TILE);
+  });
+}
+
+// x [M, K] float32/bfloat16, packed from pack_int4 of a fused [gate; up] weight [2 I, K]
+// (I a multiple of 16) -> silu(x @ gate.T) * (x @ up.T) [M, I] in x's dtype: bitwise
+// silu_mul(int4_linear(x, packed, 2 I)), without the [M, 2 I] intermediate (gate tile p and up
+// tile I / 16 + p are computed together and combined in registers).
+at::Tensor int4_linear_silu(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
+  const int64_t K = x.size(1), G = K / QK, tile_bytes = G * Q4_BLOCK, I = N / 2;
+  sgl_cpu::check_x(x, K, QK);
+  TORCH_CHECK(N % (2 * TILE) == 0, "int4_linear_silu: N = 2 I needs I a multiple of ", TILE,
+              ", got N = ", N);
+  check_packed(packed, N, tile_bytes, "pack_int4");
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  const int64_t up = I / TILE;  // the first up tile
+  return run_linear(x, I, 2, 1, [&]<int NP, int MT, typename T>(int64_t p, int64_t m0,
+                                                                const QuantizedRows& q, T* y) {
+    if constexpr (NP <= 2) {
+      const uint8_t* tiles[2 * NP];
+      for (int j = 0; j < NP; ++j) {
+        tiles[2 * j] = w + (p + j) * tile_bytes;
+        tiles[2 * j + 1] = w + (up + p + j) * tile_bytes;
+      }
+      q4_tile<2 * NP, MT, true, T>(tiles, G, q.qx + m0 * K, q.dx + m0 * G, q.cx + m0 * G, K,
+                                   y, I, I - p * TILE);
+    }
   });
 }
 
@@ -364,8 +408,8 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   check_packed(packed, N, tile_bytes, "pack_int8");
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const float* sp = scale.data_ptr<float>();
-  return run_linear(x, N, [&]<int NT, int MT, typename T>(int64_t t, int64_t m0,
-                                                           const QuantizedRows& q, T* y) {
+  return run_linear(x, N, 4, 2, [&]<int NT, int MT, typename T>(int64_t t, int64_t m0,
+                                                                 const QuantizedRows& q, T* y) {
     q8_tile<NT, MT, T>(w + t * tile_bytes, tile_bytes, G, q.qx + m0 * K, q.dx + m0 * G,
                        q.sx + m0 * G, K, sp + t * TILE, y, N, N - t * TILE);
   });
@@ -378,6 +422,7 @@ TORCH_LIBRARY(sgl_cpu_vnni, m) {
   m.def("pack_int8(Tensor w) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor packed, int N) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor packed, Tensor scale) -> Tensor");
+  m.def("int4_linear_silu(Tensor x, Tensor packed, int N) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(sgl_cpu_vnni, CPU, m) {
@@ -385,4 +430,5 @@ TORCH_LIBRARY_IMPL(sgl_cpu_vnni, CPU, m) {
   m.impl("pack_int8", &sgl_cpu_vnni::pack_int8);
   m.impl("int4_linear", &sgl_cpu_vnni::int4_linear);
   m.impl("int8_linear", &sgl_cpu_vnni::int8_linear);
+  m.impl("int4_linear_silu", &sgl_cpu_vnni::int4_linear_silu);
 }
