@@ -160,10 +160,13 @@ def layer_matmul_params(engine: Engine) -> int:
     return total
 
 
-def long_context(args, device: str, texts: list[str]) -> None:
+def long_context(args, device: str, texts: list[str], read_gbs: float | None) -> None:
     """One stream's decode rate after prompts of each of ``args.context_lengths`` tokens (the
     texts joined until long enough), for each of ``args.kv_cache_dtypes``, and its ratio to the
-    first length's, with the KV bytes one step reads at each length."""
+    first length's, with the KV bytes one step reads at each length. With ``read_gbs`` (the
+    read bandwidth measured in the same run, GB/s), also the highest ratio that bandwidth
+    allows: a step at N tokens reads the weights and N tokens of KV, so it takes at least
+    (weight + KV bytes) / read bandwidth, however well the rest overlaps with the reads."""
     lengths = [int(v) for v in args.context_lengths.split(",")]
     rows = []
     for kv_dtype in args.kv_cache_dtypes.split(","):
@@ -185,16 +188,20 @@ def long_context(args, device: str, texts: list[str]) -> None:
                 rate = max(rate, run_engine(engine, [prompt], args.new_tokens)["decode"])
                 engine.flush_cache()
             first = first or rate
+            kv_bytes = n * engine.kv_pool.bytes_per_token()
+            bound = ""
+            if read_gbs:
+                floor_s = (weight_bytes(engine) + kv_bytes) / (read_gbs * 1e9)
+                bound = f"{min(1.0, 1 / (first * floor_s)):.2f}"
             rows.append([engine.config.model.dtype, engine.config.model.kv_cache_dtype, str(n),
-                         f"{n * engine.kv_pool.bytes_per_token() / 1e6:.0f}", f"{rate:.1f}",
-                         f"{rate / first:.2f}"])
+                         f"{kv_bytes / 1e6:.0f}", f"{rate:.1f}", f"{rate / first:.2f}", bound])
         attention = engine.runner.attention.name
         del engine
         gc.collect()
     print(f"\nOne stream, {args.new_tokens} new tokens after a prompt of N tokens, the best of "
           f"{args.repeats} runs (attention {attention}):")
     print_table(["dtype", "KV dtype", "prompt tokens", "KV MB a step", "decode tok/s",
-                 "vs the first"], rows)
+                 "vs the first", "bound at the read bandwidth"], rows)
 
 
 def main() -> None:
@@ -230,7 +237,8 @@ def main() -> None:
     batches = [int(b) for b in (args.batches or ("1,16,64,256" if cuda else "1,8,32")).split(",")]
     graphs = args.cuda_graph.split(",") if cuda else ["off"]
     device_name = torch.cuda.get_device_name(device) if device.startswith("cuda") else "CPU"
-    read = "" if cuda else f", read {read_bandwidth():.1f} GB/s"
+    read_gbs = None if cuda else read_bandwidth()
+    read = "" if cuda else f", read {read_gbs:.1f} GB/s"
     print(f"device: {device_name}; copy bandwidth {copy_bandwidth(device):.1f} GB/s (read + "
           f"written){read}; CPU: {cpu_description()}")
     peaks = {} if cuda else matrix_peaks()
@@ -290,7 +298,7 @@ def main() -> None:
             del hf
     print_table(header, rows)
     if args.context_lengths:
-        long_context(args, device, texts)
+        long_context(args, device, texts, read_gbs)
     if cuda:
         return
     engine = Engine(args.model, max_total_tokens=32768, device=device, speculative_ngram=0,
