@@ -229,6 +229,17 @@ void run(const at::Tensor& q, const at::Tensor& kbuf, const at::Tensor& vbuf,
     std::vector<float> acc(D);
     for (int64_t w = lo_i; w < hi_i; ++w) {
       const int64_t tk = w / Hq, hq = w % Hq;
+      T* o = op + (tk * Hq + hq) * D;
+      const float* first = partials.data() + part_off[tk] * pstride + hq * (D + 2);
+      if (part_off[tk + 1] - part_off[tk] == 1 && first[1] > 0.0f && std::isfinite(first[0])) {
+        // One partition (every token of a prompt's first PART positions): the merge below
+        // would give ca = 0, cb = exp(0) = 1, so l = part[1] and acc = 0 + part: the same bits
+        // without its two exp calls (~10% of a 2 x 512 prefill's attention).
+        const __m256 vi = _mm256_set1_ps(1.0f / first[1]), zero = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D; d += 8)
+          store8(o + d, _mm256_mul_ps(_mm256_add_ps(zero, load8(first + 2 + d)), vi));
+        continue;
+      }
       float m = NEG_INF, l = 0.0f;
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t pi = part_off[tk]; pi < part_off[tk + 1]; ++pi) {
@@ -245,7 +256,6 @@ void run(const at::Tensor& q, const at::Tensor& kbuf, const at::Tensor& vbuf,
         m = mx;
       }
       const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-      T* o = op + (tk * Hq + hq) * D;
       const __m256 vi = _mm256_set1_ps(inv);
       for (int64_t d = 0; d < D; d += 8) store8(o + d, _mm256_mul_ps(load8(acc.data() + d), vi));
     }
