@@ -80,11 +80,16 @@ class Sampler:
         """logits: [B, V] float32 on any device (not modified). Returns B rows."""
         b = logits.shape[0]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-        logits = logits.clone()
-        self.apply_processors(logits, states)
-        next_ids = logits.argmax(dim=-1)
+        if any(_has_processors(st) for st in states):  # else no copy: nothing writes logits
+            logits = logits.clone()
+            self.apply_processors(logits, states)
         rows = [i for i, st in enumerate(states) if not st.params.is_greedy]
-        if rows:
+        # argmax only where a row is greedy (a [16, 49k] argmax is ~0.25 ms on 2 CPU cores)
+        next_ids = (logits.argmax(dim=-1) if len(rows) < b
+                    else torch.empty(b, dtype=torch.int64, device=logits.device))
+        if len(rows) == b:
+            next_ids = self._draw(logits, states)
+        elif rows:
             idx = _index(rows, logits.device)
             next_ids[idx] = self._draw(logits[idx], [states[i] for i in rows])
         if raw_logprobs is None:
@@ -191,11 +196,13 @@ def _kept_plain(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.
     cores for 49k ids)."""
     dev = logits.device
     temps = _values([st.params.temperature for st in states], logits.dtype, dev)[:, None]
-    min_p = _values([st.params.min_p for st in states], logits.dtype, dev)[:, None]
     probs = torch.softmax(logits / temps, dim=-1)
-    drop = probs < min_p * probs.amax(dim=-1, keepdim=True)
     # float64 running sum: ~1e5 additions must not add rounding of their own.
-    return probs.double().masked_fill_(drop, 0.0).cumsum_(dim=-1)
+    kept = probs.double()
+    if any(st.params.min_p > 0.0 for st in states):  # min-p 0 drops nothing (probs >= 0)
+        min_p = _values([st.params.min_p for st in states], logits.dtype, dev)[:, None]
+        kept.masked_fill_(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
+    return kept.cumsum_(dim=-1)
 
 
 def _kept_ranked(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
@@ -230,6 +237,14 @@ def _kept_ranked(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch
     drop[:, 0] = False  # the most likely token always survives
     return torch.zeros(logits.shape, dtype=torch.float64, device=dev).scatter_(
         1, ids, probs.double().masked_fill(drop, 0.0)).cumsum_(dim=-1)
+
+
+def _has_processors(st: SamplingState) -> bool:
+    """Whether :meth:`Sampler.apply_processors` would change ``st``'s row of the logits."""
+    p = st.params
+    return bool(p.logit_bias or p.repetition_penalty != 1.0 or st.banned_ids
+                or st.grammar is not None
+                or (st.output_ids and (p.frequency_penalty or p.presence_penalty)))
 
 
 def _index(values: Sequence[int], device: torch.device) -> torch.Tensor:
