@@ -8,8 +8,9 @@
 Prints one markdown table: prefill tokens/s (512-token prompts), decode tokens/s at each batch
 size (default 1, 8, 32 on CPU and 1, 16, 64, 256 on CUDA; 128-token prompts, decode steps
 only), and transformers' ``generate`` at batch 1 on the
-same prompts (decode rate = (t(N tokens) - t(1 token)) / (N - 1)). Then a per-op profile of one
-batch-32 decode step. Prompts are real Wikipedia passages from ../shared/data/wiki_rag when
+same prompts (decode rate = (t(N tokens) - t(1 token)) / (N - 1)). Then a per-op profile of a
+decode step at the smallest and largest batch, and the scheduler's own Python per decode step
+at the largest batch (greedy and temperature 0.7) against the runner's forward. Prompts are real Wikipedia passages from ../shared/data/wiki_rag when
 present (else this repository's source text), chat-templated and cut to length in tokens.
 
 Decode at batch 1 reads every weight once per token, so "b=1 GB/s" = weight bytes x tokens/s
@@ -134,6 +135,30 @@ def profile_decode_step(engine: Engine, prompts: list[list[int]]) -> list[list[s
                              f"{(time.perf_counter() - start) * 1e3:.1f}", "", ""])
         engine.scheduler.update(batch, out)
     return rows
+
+
+def scheduler_share(engine: Engine, prompts: list[list[int]], temperature: float,
+                    new_tokens: int = 32) -> list[str]:
+    """Per decode step of ``len(prompts)`` streams: milliseconds in the scheduler's own Python
+    (building the batch; sampling, appending and finish checks) and in the runner's forward,
+    and the scheduler's share of the two, as a table row."""
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=temperature, ignore_eos=True)
+    for r in [engine.make_request(p, params) for p in prompts]:
+        engine.scheduler.add_request(r)
+    sched = fwd = 0.0
+    steps = 0
+    while engine.scheduler.has_work:
+        a = time.perf_counter()
+        batch = engine.scheduler.step()
+        b = time.perf_counter()
+        out = engine.runner.forward(batch)
+        c = time.perf_counter()
+        engine.scheduler.update(batch, out)
+        d = time.perf_counter()
+        if batch.mode is ForwardMode.DECODE:
+            sched, fwd, steps = sched + (b - a) + (d - c), fwd + (c - b), steps + 1
+    return [str(len(prompts)), f"{temperature:g}", f"{sched / steps * 1e3:.2f}",
+            f"{fwd / steps * 1e3:.2f}", f"{sched / (sched + fwd):.0%}"]
 
 
 def weight_bytes(engine: Engine) -> int:
@@ -308,6 +333,11 @@ def main() -> None:
         print(f"\nOne decode step, batch {b}, 128-token prompts, dtype "
               f"{engine.config.model.dtype}:")
         print_table(["op", "self CPU ms", "share", "calls"], prof)
+    share = [scheduler_share(engine, make_prompts(engine, texts, 128, top), t)
+             for t in (0.0, 0.7)]
+    print(f"\nThe scheduler's own Python per decode step ({top} streams, 128-token prompts):")
+    print_table(["streams", "temperature", "scheduler ms", "forward ms", "scheduler share"],
+                share)
 
 
 if __name__ == "__main__":
