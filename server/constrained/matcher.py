@@ -52,6 +52,21 @@ class Matcher:
         if self._extra_bits is not None:
             bitmask[row] &= self._extra_bits
 
+    def allows(self, token_id: int) -> bool:
+        """Whether ``token_id`` may come next: the bit :meth:`fill_bitmask` would set for it
+        (grammar and extra mask), asked by accepting it and rolling back (a few microseconds
+        against ~0.2 ms for a whole 49k-token bitmask). The state is left as it was."""
+        if not 0 <= token_id < self.vocab_size:
+            return False
+        if self._extra_bits is not None:
+            word, bit = divmod(token_id, 32)
+            if not (int(self._extra_bits[word]) >> bit) & 1:
+                return False
+        if not self._m.accept_token(token_id):
+            return False
+        self._m.rollback(1)
+        return True
+
     def allowed_mask(self):
         """[vocab_size] bool tensor of the tokens the grammar allows next."""
         import torch

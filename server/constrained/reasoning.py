@@ -43,6 +43,12 @@ class ReasoningGatedMatcher:
             word, bit = divmod(self.start_id, 32)
             bitmask[row, word] |= (1 << bit) if bit < 31 else -(1 << 31)
 
+    def allows(self, token_id: int) -> bool:
+        """Whether ``token_id`` may come next (the state is left as it was)."""
+        if self.state == REASONING or (self.state == MAYBE and token_id == self.start_id):
+            return True
+        return self._m.allows(token_id)
+
     def accept(self, token_id: int) -> bool:
         """Advance over ``token_id``; False (state unchanged) if the grammar rejects it."""
         if self.state == MAYBE:

@@ -82,7 +82,7 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         if any(_has_processors(st) for st in states):  # else no copy: nothing writes logits
             logits = logits.clone()
-            self.apply_processors(logits, states)
+            self.apply_processors(logits, states, greedy_shortcut=True)
         rows = [i for i, st in enumerate(states) if not st.params.is_greedy]
         # argmax only where a row is greedy (a [16, 49k] argmax is ~0.25 ms on 2 CPU cores)
         next_ids = (logits.argmax(dim=-1) if len(rows) < b
@@ -110,11 +110,18 @@ class Sampler:
         return SampleOutput(chosen, lp, [list(zip(v, i)) for v, i in zip(vals, ids)])
 
     @staticmethod
-    def apply_processors(logits: torch.Tensor, states: Sequence[SamplingState]) -> None:
+    def apply_processors(logits: torch.Tensor, states: Sequence[SamplingState],
+                         greedy_shortcut: bool = False) -> None:
         """Logit bias, repetition/frequency/presence penalties, banned ids and grammar masks,
         in place on ``logits`` [B, V] float32 (any device), each as one batched tensor op over
         the rows that use it (grammar rows through xgrammar's bitmask apply: the bitmask is
-        filled on the host and applied on the logits' device)."""
+        filled on the host and applied on the logits' device).
+
+        With ``greedy_shortcut`` (CPU logits), a greedy row whose best token the grammar
+        allows keeps its logits unmasked: masking every other token cannot change its argmax
+        (the first index of the row's maximum is still the first among the allowed ids), and
+        a bitmask fill and apply cost ~0.3 ms a row against a few microseconds to ask the
+        grammar about one token. Only the argmax of such a row is then meaningful."""
         vocab, dev = logits.shape[-1], logits.device
         bias = [(b, t, v) for b, st in enumerate(states) for t, v in st.params.logit_bias]
         if bias:
@@ -148,6 +155,11 @@ class Sampler:
             rows, toks = zip(*banned)
             logits[_index(rows, dev), _index(toks, dev)] = float("-inf")
         constrained = [b for b, st in enumerate(states) if st.grammar is not None]
+        greedy = [b for b in constrained if states[b].params.is_greedy]
+        if greedy and greedy_shortcut and dev.type == "cpu":
+            best = logits[_index(greedy, dev)].argmax(dim=-1).tolist()
+            allowed = {b for b, t in zip(greedy, best) if states[b].grammar.allows(t)}
+            constrained = [b for b in constrained if b not in allowed]
         if constrained:
             import xgrammar as xgr
 

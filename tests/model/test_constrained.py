@@ -216,3 +216,58 @@ def test_the_cached_forced_string_equals_xgrammars(padded_engine, spec):
             tok = rng.choice(allowed)
             assert m.accept(tok) and fresh.accept_token(tok)
             accepted += 1
+
+
+@pytest.mark.parametrize("spec", [
+    make_spec(regex=r"[a-z]{2,6}-[0-9]{2}( and [a-z]+)?"),
+    make_spec(json_schema={"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 12}, "n": {"type": "integer"},
+        "tags": {"type": "array", "items": {"enum": ["alpha", "beta gamma"]}}},
+        "required": ["name", "n", "tags"]}),
+])
+def test_greedy_rows_skip_the_mask_only_where_it_cannot_change_the_token(padded_engine, spec):
+    """Sampler.sample asks the grammar about a greedy row's best token (Matcher.allows) and
+    masks only where it is not allowed: along random walks through the grammar, allows()
+    equals the bitmask's bit for every allowed token and a sample of the others, and each
+    greedy token equals the argmax over the fully masked logits, on logits that favour
+    allowed tokens (shortcut taken) and disallowed ones (mask needed)."""
+    import random
+
+    import torch
+
+    from server.model.sampling import Sampler, SamplingState
+
+    eos = sorted(padded_engine.eos_ids)
+    sampler = Sampler()
+    samples = fills = sampling = 0
+    for seed in range(2):
+        rng = random.Random(seed)
+        gen = torch.Generator().manual_seed(seed)
+        m = padded_engine.grammars.matcher(spec, eos)
+        fill = m.fill_bitmask
+
+        def counted(bitmask, row, fill=fill):
+            nonlocal fills
+            fills += sampling  # allowed_mask() fills too
+            fill(bitmask, row)
+
+        m.fill_bitmask = counted
+        for _ in range(40):
+            mask = m.allowed_mask()
+            allowed = mask.nonzero().flatten().tolist()
+            others = rng.sample(range(PADDED_VOCAB), 300)
+            assert all(m.allows(t) for t in allowed)
+            assert [m.allows(t) for t in others] == [bool(mask[t]) for t in others]
+            for favour in (allowed, others):
+                logits = torch.randn(1, PADDED_VOCAB, generator=gen)
+                logits[0, rng.choice(favour)] += 50.0
+                state = SamplingState(SamplingParams(temperature=0), [1], [], None, grammar=m)
+                sampling = 1
+                tok = sampler.sample(logits, [state]).next_ids[0]
+                sampling, samples = 0, samples + 1
+                assert tok == int(logits[0].masked_fill(~mask, float("-inf")).argmax())
+            allowed = [t for t in allowed if t not in eos]
+            if not allowed:
+                break
+            assert m.accept(rng.choice(allowed))
+    assert 0 < fills < samples  # the mask was skipped where the best token was allowed
