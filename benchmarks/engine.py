@@ -10,8 +10,9 @@ size (default 1, 8, 32 on CPU and 1, 16, 64, 256 on CUDA; 128-token prompts, dec
 only), and transformers' ``generate`` at batch 1 on the
 same prompts (decode rate = (t(N tokens) - t(1 token)) / (N - 1)). Then a per-op profile of a
 decode step at the smallest and largest batch, and the scheduler's own Python per decode step
-at the largest batch (greedy and temperature 0.7) against the runner's forward. Prompts are real Wikipedia passages from ../shared/data/wiki_rag when
-present (else this repository's source text), chat-templated and cut to length in tokens.
+at the largest batch (greedy and temperature 0.7) against the runner's forward. Prompts are
+real Wikipedia passages from ../shared/data/wiki_rag when present (else this repository's
+source text), chat-templated and cut to length in tokens.
 
 Decode at batch 1 reads every weight once per token, so "b=1 GB/s" = weight bytes x tokens/s
 is the achieved memory bandwidth (KV reads are < 1% of it at 128 tokens); it is printed next to

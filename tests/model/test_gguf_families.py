@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from benchmarks.gguf_export import permute_rope as _permute
 from server.model.files import gguf_reader
 from server.model.loader import default_model_path, load_model
 from tests.helpers import hf_logits
@@ -24,10 +25,6 @@ ARCHES = {"qwen3": gguf.MODEL_ARCH.QWEN3, "gemma2": gguf.MODEL_ARCH.GEMMA2,
 GGUF_ARCH = {"qwen3_moe": "qwen3moe", "mixtral": "llama"}
 
 
-def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp's ``LlamaModel.permute`` (HF half-split RoPE rows -> interleaved pairs)."""
-    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
-            .swapaxes(1, 2).reshape(w.shape))
 
 
 def _copy_tokenizer(writer: gguf.GGUFWriter) -> None:
