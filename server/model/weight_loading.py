@@ -107,8 +107,17 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | Q
     quantizable = {f"{n}.weight" for n, m in model.named_modules()
                    if isinstance(m, (nn.Linear, nn.Embedding))}
     left = {name: p.shape[0] for name, p in params.items()}
+    report = QuantReport(quantization, native=native)
+    installed: set[str] = set()  # quantized parameters, installed as their last block came
     dense: dict[str, torch.Tensor] = {}
     parts: dict[str, list[tuple[int, torch.Tensor | QuantizedWeight]]] = defaultdict(list)
+
+    def _install(name: str, blocks: list) -> None:
+        report.dense_min_rows = dense_min_rows
+        _install_quantized(model, name, blocks, quantization, dtype, device, report,
+                           dense_min_rows, native)
+        installed.add(name)
+
     for hf_name, tensor in weights:
         target = param_target(hf_name)
         if target is None:
@@ -128,6 +137,11 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | Q
         # The first block of a parameter decides: later blocks follow it (dense or quantized).
         if ours in quantizable and ours not in dense and (keep or ours in parts):
             parts[ours].append((offset, tensor))
+            if not left[ours] and getattr(model.get_submodule(ours.rsplit(".", 1)[0]),
+                                          "bias", None) is None:
+                # every block is in (and no dense bias to wait for): quantize now and let
+                # the float blocks go, so a checkpoint is never held whole in float
+                _install(ours, parts.pop(ours))
             continue
         if isinstance(tensor, QuantizedWeight):
             tensor = tensor.dequantize()
@@ -138,17 +152,13 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | Q
     if missing:
         raise WeightLoadError(f"weights missing from checkpoint: {missing[:8]}")
 
-    report = QuantReport(quantization, native=native)
     for name, t in dense.items():
         module, attr = _module_of(model, name)
         setattr(module, attr, nn.Parameter(t, requires_grad=False))
         report.weight_bytes += t.nbytes
-    if parts:
-        report.dense_min_rows = dense_min_rows
-    for name, blocks in parts.items():
-        _install_quantized(model, name, blocks, quantization, dtype, device, report,
-                           dense_min_rows, native)
-    report.modules["dense"] = sum(1 for n in quantizable if n not in parts)
+    for name, blocks in parts.items():  # those with a bias, now that it is in place
+        _install(name, blocks)
+    report.modules["dense"] = sum(1 for n in quantizable if n not in installed)
     return report
 
 

@@ -189,3 +189,18 @@ def test_cli_quantization_flag(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--quantization", "nf4"])
     assert "invalid choice: 'nf4'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fn", [quantize_int4, quantize_int8])
+def test_quantizing_in_row_chunks_gives_the_whole_tensors_bits(fn, monkeypatch):
+    """Weights are quantized QUANTIZE_ROWS rows at a time (a 128k-row embedding held several
+    1 GB float32 temporaries); the chunks' results are the whole tensor's, bit for bit."""
+    import server.model.quantization as quant
+
+    w = torch.randn(37, 64, dtype=torch.bfloat16) * 3
+    w[5] = 0  # an all-zero row (scale 0) inside a chunk
+    whole = fn(w)
+    monkeypatch.setattr(quant, "QUANTIZE_ROWS", 4)
+    chunked = fn(w)
+    for a, b in zip((whole.q, whole.scale, whole.zero), (chunked.q, chunked.scale, chunked.zero)):
+        assert (a is None and b is None) or torch.equal(a, b)
