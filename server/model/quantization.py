@@ -97,47 +97,43 @@ def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
 QUANTIZE_ROWS = 4096  # rows quantized at a time: float32 temporaries stay ~100 MB a chunk
 
 
-def _row_chunks(w: torch.Tensor) -> list[torch.Tensor]:
-    """[N, K] -> views of at most QUANTIZE_ROWS rows, quantized one at a time: the arithmetic
-    is per row, so the results equal the whole tensor's, and a 128k-row embedding no longer
-    holds several 1 GB float32 temporaries at once."""
-    return [w[i:i + QUANTIZE_ROWS] for i in range(0, w.shape[0], QUANTIZE_ROWS)]
+def _by_rows(fn, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``fn`` (float32 [m, K] -> a tuple of per-row tensors) over at most QUANTIZE_ROWS rows of
+    ``w`` [N, K] at a time, the parts concatenated. The arithmetic is per row, so the result
+    equals ``fn(w.float())``, while a 128k-row embedding no longer holds several 1 GB float32
+    temporaries at once."""
+    parts = [fn(w[i:i + QUANTIZE_ROWS].float()) for i in range(0, w.shape[0], QUANTIZE_ROWS)]
+    return tuple(torch.cat(t) for t in zip(*parts))
+
+
+def _int4_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    n, k = w.shape
+    g = w.reshape(n, k // INT4_GROUP, INT4_GROUP)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = (hi - lo) / 15
+    inv = torch.where(scale == 0, torch.zeros_like(scale), 1 / scale)
+    q = ((g - lo[..., None]) * inv[..., None]).round().clamp(0, 15).to(torch.uint8)
+    return q.view(n, k), scale, lo
+
+
+def _int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = w.abs().amax(-1) / 127
+    inv = torch.where(scale == 0, torch.zeros_like(scale), 1 / scale)
+    return (w * inv[:, None]).round().clamp(-127, 127).to(torch.int8), scale
 
 
 def quantize_int4(w: torch.Tensor, source: str = "float -> int4") -> QuantizedWeight:
     """Min/max asymmetric int4 with groups of 32 along K (Q4_1's rule). w: [N, K] float."""
-    n, k = w.shape
+    k = w.shape[1]
     if k % INT4_GROUP:
         raise QuantizationError(f"int4 needs in_features divisible by {INT4_GROUP}, got {k}")
-    q = torch.empty(n, k, dtype=torch.uint8, device=w.device)
-    scale = torch.empty(n, k // INT4_GROUP, device=w.device)
-    lo = torch.empty(n, k // INT4_GROUP, device=w.device)
-    row = 0
-    for chunk in _row_chunks(w):
-        m = chunk.shape[0]
-        g = chunk.float().reshape(m, k // INT4_GROUP, INT4_GROUP)
-        c_lo, c_hi = g.amin(-1), g.amax(-1)
-        c_scale = (c_hi - c_lo) / 15
-        inv = torch.where(c_scale == 0, torch.zeros_like(c_scale), 1 / c_scale)
-        q[row:row + m] = ((g - c_lo[..., None]) * inv[..., None]).round().clamp(0, 15).to(
-            torch.uint8).view(m, k)
-        scale[row:row + m], lo[row:row + m] = c_scale, c_lo
-        row += m
+    q, scale, lo = _by_rows(_int4_rows, w)
     return QuantizedWeight("int4", q, scale, lo + 8 * scale, source)
 
 
 def quantize_int8(w: torch.Tensor, source: str = "float -> int8") -> QuantizedWeight:
     """Symmetric int8 per output row. w: [N, K] float."""
-    q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
-    scale = torch.empty(w.shape[0], device=w.device)
-    row = 0
-    for chunk in _row_chunks(w):
-        c = chunk.float()
-        c_scale = c.abs().amax(-1) / 127
-        inv = torch.where(c_scale == 0, torch.zeros_like(c_scale), 1 / c_scale)
-        q[row:row + c.shape[0]] = (c * inv[:, None]).round().clamp(-127, 127).to(torch.int8)
-        scale[row:row + c.shape[0]] = c_scale
-        row += c.shape[0]
+    q, scale = _by_rows(_int8_rows, w)
     return QuantizedWeight("int8", q, scale, None, source)
 
 
