@@ -386,6 +386,7 @@ at::Tensor int4_linear_silu(const at::Tensor& x, const at::Tensor& packed, int64
   const int64_t up = I / TILE;  // the first up tile
   return run_linear(x, I, 2, 1, [&]<int NP, int MT, typename T>(int64_t p, int64_t m0,
                                                                 const QuantizedRows& q, T* y) {
+    // groups of 2 pairs (one row) or 1: with_tile also instantiates NP = 4, never called
     if constexpr (NP <= 2) {
       const uint8_t* tiles[2 * NP];
       for (int j = 0; j < NP; ++j) {
