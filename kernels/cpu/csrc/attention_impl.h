@@ -131,6 +131,38 @@ struct Item {
   int64_t seq, first, rows, part, head;  // tokens [first, first + rows) of sequence seq
 };
 
+// Contiguous ranges of `items`, one per thread, of about equal estimated cost: bounds[i] ..
+// bounds[i + 1]. An item's cost is the positions it spans times (TRANSPOSE_UNITS + its units),
+// the K/V staging of a chunk costing about as much as three units' scores and P.V sums. (Equal
+// item counts left one thread most of the work: a decode at 600 positions has items of 512 and
+// 88 positions, a causal prefill tiles whose spans grow along the prompt.) The split changes
+// which thread computes an item, never what it computes.
+constexpr int64_t TRANSPOSE_UNITS = 3;
+
+std::vector<int64_t> split_by_cost(const std::vector<Item>& items,
+                                   const std::vector<int64_t>& tok_pos,
+                                   const std::vector<int64_t>& tok_lo, int group) {
+  const int64_t n = static_cast<int64_t>(items.size());
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  std::vector<int64_t> cum(n + 1, 0);
+  for (int64_t i = 0; i < n; ++i) {
+    const Item& it = items[i];
+    const int64_t last = it.first + it.rows - 1;
+    const int64_t a = std::max(tok_lo[it.first], it.part * PART);
+    const int64_t e = std::min(tok_pos[last] + 1, (it.part + 1) * PART);
+    cum[i + 1] = cum[i] + std::max<int64_t>(e - a, 1) * (TRANSPOSE_UNITS + it.rows * group);
+  }
+  std::vector<int64_t> bounds(threads + 1, n);
+  bounds[0] = 0;
+  for (int64_t t = 1; t < threads; ++t) {  // the first item whose cost midpoint is past t/threads
+    const int64_t target = cum[n] * t / threads;
+    int64_t i = bounds[t - 1];
+    while (i < n && cum[i] + (cum[i + 1] - cum[i]) / 2 < target) ++i;
+    bounds[t] = i;
+  }
+  return bounds;
+}
+
 template <typename Chunk, typename T, typename KV>
 void run(const at::Tensor& q, const at::Tensor& kbuf, const at::Tensor& vbuf,
          const at::Tensor& req_to_token, const std::vector<int64_t>& seq_rows,
@@ -172,7 +204,7 @@ void run(const at::Tensor& q, const at::Tensor& kbuf, const at::Tensor& vbuf,
   const KV* kp = kbuf.data_ptr<KV>();
   const KV* vp = vbuf.data_ptr<KV>();
   const int64_t row_stride = Hkv * D;
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t lo_i, int64_t hi_i) {
+  auto work = [&](int64_t lo_i, int64_t hi_i) {  // items [lo_i, hi_i) on this thread
     std::vector<float> qs(TILE * MAX_GROUP * D), kst(CHUNK * D), vst(CHUNK * D);
     std::vector<float> prs(TILE * MAX_GROUP * CHUNK);
     Row rows[TILE];
@@ -224,6 +256,10 @@ void run(const at::Tensor& q, const at::Tensor& kbuf, const at::Tensor& vbuf,
 #undef SGL_NV
       }
     }
+  };
+  const std::vector<int64_t> bounds = split_by_cost(items, tok_pos, tok_lo, group);
+  at::parallel_for(0, static_cast<int64_t>(bounds.size()) - 1, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) work(bounds[t], bounds[t + 1]);
   });
   // merge each token's partitions in order
   T* op = out.data_ptr<T>();
