@@ -1,14 +1,16 @@
 """Attention time per layer call on the CPU, each native kernel this machine runs side by side.
 
     python -m benchmarks.cpu_attention [--heads 9 --kv-heads 3 --head-dim 64]
-        [--dtype bfloat16] [--seconds 1]
+        [--dtype bfloat16] [--seconds 1] [--layers 1]
 
 SmolLM2-135M's attention shape by default. Each row times one call of every kernel of
 ``kernels.cpu.ATTENTION_KERNELS`` the machine can run (the same inputs for all: K/V in a pool
 whose slots are shuffled, as in a long-running server) on a mix of prefills, extends over a
 cached prefix and decode steps, and reports milliseconds and GFLOP/s (4 x head_dim flops per
 (query head, attended position) pair: the causal work only). The first lines print the CPU
-class and the fp32/bf16/int8 GEMM rates torch reaches in the same run.
+class and the fp32/bf16/int8 GEMM rates torch reaches in the same run. ``--layers 30`` gives
+every call its own K/V pool, called in turn as a model's layers are, so the K/V comes from DRAM
+as in a decode step rather than from the cache (times are still per call).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from kernels import cpu as native
 from kernels.cpu_features import cpu_description
 
 # (batch, cached prefix tokens, new tokens)
-MIXES = [(1, 0, 512), (2, 0, 512), (16, 1024, 64), (16, 512, 1), (1, 4096, 1), (1, 256, 1)]
+MIXES = [(1, 0, 512), (2, 0, 512), (16, 1024, 64), (16, 512, 1), (1, 4096, 1), (1, 600, 1),
+         (1, 600, 9), (1, 256, 1)]
 
 
 def _time(fn, seconds: float) -> float:
@@ -44,6 +47,8 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--dtype", default="bfloat16", help="q and KV dtype: bfloat16 or float32")
     ap.add_argument("--seconds", type=float, default=1.0, help="timing per cell")
+    ap.add_argument("--layers", type=int, default=1, help="K/V pools called in turn (30: "
+                    "DRAM-resident K/V, as in a decode step of a 30-layer model)")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     ops = {}
@@ -62,16 +67,19 @@ def main() -> None:
     for batch, prefix, new in MIXES:
         seq = prefix + new
         cap = batch * seq + 1
-        k = torch.randn(cap, hkv, d).to(dtype)
-        v = torch.randn_like(k)
+        pools = [(torch.randn(cap, hkv, d).to(dtype), torch.randn(cap, hkv, d).to(dtype))
+                 for _ in range(args.layers)]
         table = (torch.randperm(cap - 1) + 1).view(batch, seq)  # slot 0 stays unused
         q = torch.randn(batch * new, hq, d).to(dtype)
-        call = (q, k, v, table, torch.arange(batch), torch.full((batch,), prefix),
+        rest = (table, torch.arange(batch), torch.full((batch,), prefix),
                 torch.full((batch,), new), d ** -0.5, 0, 0.0)
         flops = 4 * d * hq * batch * sum(prefix + i + 1 for i in range(new))
         row = [f"{batch} x ({prefix} + {new})"]
         for op in ops.values():
-            t = _time(lambda op=op: op(*call), args.seconds)
+            def layers(op=op):
+                for k, v in pools:
+                    op(q, k, v, *rest)
+            t = _time(layers, args.seconds) / args.layers
             row.append(f"{t * 1e3:.3f} ({flops / t / 1e9:.0f})")
         rows.append(row)
     print_table(["batch x (cached + new)"] + [f"{k} ms (GFLOP/s)" for k in ops], rows)
