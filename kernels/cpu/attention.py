@@ -33,8 +33,8 @@ class CPUAttention:
     def __init__(self, k_buffers: list[torch.Tensor], v_buffers: list[torch.Tensor],
                  kernel: str = "avx2"):
         self._attention = native.attention_op(kernel)
-        self._silu_mul = (torch.ops.sgl_cpu.silu_mul if kernel == "avx2"
-                          else torch.ops.sgl_cpu_vnni.silu_mul)
+        # the norms, RoPE + K/V store and SiLU * up of the library the attention kernel is in
+        self._ops = torch.ops.sgl_cpu if kernel == "avx2" else torch.ops.sgl_cpu_vnni
         self.kernel = kernel
         self.k_buffers = k_buffers
         self.v_buffers = v_buffers
@@ -53,35 +53,33 @@ class CPUAttention:
         rows, prefix, extend = self._meta
         return self.inputs.req_to_token, rows, prefix, extend, self.inputs.out_cache_loc
 
-    @staticmethod
-    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """RMSNorm of x [T, H] (float32/bfloat16, weight [H] in x's dtype), as the reference."""
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm of x [T, H] (float32/bfloat16, weight [H] in x's dtype), as the reference;
+        on the library where the attention runs (its 16-lane op on the AVX-512 kernels)."""
         if x.dtype not in (torch.float32, torch.bfloat16) or weight.dtype != x.dtype:
             return rms_norm(x, weight, eps)
-        return torch.ops.sgl_cpu.rms_norm(x.contiguous(), weight, eps)
+        return self._ops.rms_norm(x.contiguous(), weight, eps)
 
-    @staticmethod
-    def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> torch.Tensor:
         """``residual += x`` in place, then returns RMSNorm(residual); [T, H] each."""
         if residual.dtype not in (torch.float32, torch.bfloat16) or weight.dtype != x.dtype:
             residual += x
             return rms_norm(residual, weight, eps)
-        return torch.ops.sgl_cpu.add_rms_norm(x.contiguous(), residual, weight, eps)
+        return self._ops.add_rms_norm(x.contiguous(), residual, weight, eps)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up of gate_up [T, 2I] (the halves). Returns [T, I]. On the AVX-512
-        kernels' library where the attention runs there (its 16-lane op)."""
-        return self._silu_mul(gate_up.contiguous())
+        """silu(gate) * up of gate_up [T, 2I] (the halves). Returns [T, I], on the library
+        where the attention runs."""
+        return self._ops.silu_mul(gate_up.contiguous())
 
     def rope_store(self, layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    num_q: int, num_kv: int, head_dim: int) -> torch.Tensor:
         """RoPE on the q and k heads of qkv [T, (num_q + 2 num_kv) * head_dim] in place and
         k, v stored into this layer's pool slots (rounded to nearest even where the pool is
         narrower than qkv); returns q [T, num_q, head_dim] (a view)."""
-        torch.ops.sgl_cpu.rope_store(qkv, cos, sin, num_q, num_kv, head_dim,
-                                     self.k_buffers[layer], self.v_buffers[layer],
-                                     self.inputs.out_cache_loc)
+        self._ops.rope_store(qkv, cos, sin, num_q, num_kv, head_dim, self.k_buffers[layer],
+                             self.v_buffers[layer], self.inputs.out_cache_loc)
         return qkv[:, :num_q * head_dim].view(-1, num_q, head_dim)
 
     def store_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -15,6 +15,7 @@ from kernels.cpu_features import (
     isa_from_flags,
     native_bf16,
 )
+from kernels import reference
 from kernels.reference import extend_attention
 from server.model.quantization import quantize_int4, quantize_int8
 
@@ -176,6 +177,44 @@ def test_rope_store_rotates_like_the_reference_and_rounds_kv_to_the_pool(dtype, 
 
 
 @needs_native
+@pytest.mark.parametrize("dtype,kv_dtype", [(torch.float32, torch.float32),
+                                            (torch.bfloat16, torch.bfloat16),
+                                            (torch.float32, torch.bfloat16),
+                                            (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("d", [64, 40, 8])
+def test_the_avx512_rope_store_gives_torchs_bits(dtype, kv_dtype, d):
+    """The 16-lane op rounds each product before the sum as HF's apply_rope in torch does:
+    bitwise torch's q and k, and K/V in the pool as Tensor.to rounds them (head dims whose
+    half is and is not a multiple of 16)."""
+    from kernels.reference import apply_rope
+
+    if not native.available("avx512_vnni"):
+        pytest.skip(native.unavailable_reason("avx512_vnni"))
+    torch.manual_seed(1)
+    t, hq, hkv = 7, 9, 3
+    qkv = (torch.randn(t, (hq + 2 * hkv) * d) * 5).to(dtype)
+    angles = torch.randn(t, d // 2) * 40
+    cos = torch.cat([angles.cos()] * 2, -1).to(dtype)
+    sin = torch.cat([angles.sin()] * 2, -1).to(dtype)
+    loc = torch.tensor([3, 9, 0, 15, 4, 11, 7])
+    heads = qkv.view(t, hq + 2 * hkv, d)
+    want_q = apply_rope(heads[:, :hq], cos, sin)
+    want_k = apply_rope(heads[:, hq:hq + hkv], cos, sin)
+    k_buf = torch.zeros(16, hkv, d, dtype=kv_dtype)
+    v_buf = torch.zeros_like(k_buf)
+    got = qkv.clone()
+    torch.ops.sgl_cpu_vnni.rope_store(got, cos, sin, hq, hkv, d, k_buf, v_buf, loc)
+    got_heads = got.view(t, hq + 2 * hkv, d)
+    assert torch.equal(got_heads[:, :hq], want_q)
+    assert torch.equal(got_heads[:, hq:hq + hkv], want_k)
+    assert torch.equal(k_buf[loc], want_k.to(kv_dtype))
+    assert torch.equal(v_buf[loc], heads[:, hq + hkv:].to(kv_dtype))
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        torch.ops.sgl_cpu_vnni.rope_store(qkv.clone(), cos, sin, hq, hkv, d, k_buf, v_buf,
+                                          loc + 16)
+
+
+@needs_native
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 def test_attention_of_a_token_is_the_same_in_decode_and_in_any_extend(attention_op, kv_dtype):
     """Bitwise: token p of a sequence computed in a long extend, in a short extend over the
@@ -197,6 +236,35 @@ def test_attention_of_a_token_is_the_same_in_decode_and_in_any_extend(attention_
     # a tile's neighbours: the same tokens in tiles cut elsewhere, beside another sequence
     mixed = run([2, 1], [0, 990], [37, 210], torch.cat([q[:37], q[990:]]))
     assert torch.equal(whole[990:], mixed[37:])
+
+
+@needs_native
+@pytest.mark.parametrize("library", ["sgl_cpu", "sgl_cpu_vnni"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norms_match_the_reference_and_are_row_invariant(library, dtype):
+    """rms_norm and add_rms_norm (residual += x in place, rounded to the dtype, then the norm
+    of the sum) against the reference, for widths with and without a vector tail; a row alone
+    gives the same bits as in the batch."""
+    if library == "sgl_cpu_vnni" and not native.available("avx512_vnni"):
+        pytest.skip(native.unavailable_reason("avx512_vnni"))
+    ops = getattr(torch.ops, library)
+    torch.manual_seed(4)
+    for width in (576, 100, 7):
+        x, residual = (torch.randn(9, width) * 3).to(dtype), torch.randn(9, width).to(dtype)
+        w = torch.randn(width).to(dtype)
+        summed = (residual.float() + x.float()).to(dtype)
+        r = residual.clone()
+        got = ops.add_rms_norm(x, r, w, 1e-5)
+        assert torch.equal(r, summed)
+        want = reference.rms_norm(summed, w, 1e-5)
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        for y in (got, ops.rms_norm(summed, w, 1e-5)):
+            assert y.dtype == dtype and y.shape == (9, width)
+            assert ((y.float() - want.float()).abs() <= tol * (1 + want.float().abs())).all()
+        assert torch.equal(ops.rms_norm(summed, w, 1e-5), got)
+        assert torch.equal(ops.rms_norm(summed[4:5].contiguous(), w, 1e-5), got[4:5])
+    with pytest.raises(RuntimeError, match="weight must be"):
+        ops.rms_norm(torch.randn(2, 8), torch.randn(4), 1e-5)
 
 
 @needs_native

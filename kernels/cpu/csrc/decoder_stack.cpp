@@ -37,6 +37,10 @@ using AttentionOp = at::Tensor(const at::Tensor&, const at::Tensor&, const at::T
                                const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                const at::Tensor&, double, int64_t, double);
 using SiluOp = at::Tensor(const at::Tensor&);
+using NormOp = at::Tensor(const at::Tensor&, const at::Tensor&, double);
+using AddNormOp = at::Tensor(const at::Tensor&, at::Tensor&, const at::Tensor&, double);
+using RopeOp = void(at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t,
+                    at::Tensor&, at::Tensor&, const at::Tensor&);
 using Int4Op = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t);
 using Int8Op = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&);
 
@@ -124,6 +128,9 @@ class DecoderStack : public torch::CustomClassHolder {
                                           ? "sgl_cpu_vnni::attention"
                                           : "sgl_cpu_vnni::attention_bf16");
       silu_op_ = op<SiluOp>("sgl_cpu_vnni::silu_mul");
+      norm_op_ = op<NormOp>("sgl_cpu_vnni::rms_norm");
+      add_norm_op_ = op<AddNormOp>("sgl_cpu_vnni::add_rms_norm");
+      rope_op_ = op<RopeOp>("sgl_cpu_vnni::rope_store");
       // gate/up + that SiLU in one VNNI call where the tiles split into gate and up halves
       for (Layer& layer : layers_) {
         const Linear& gate_up = layer.linears[2];
@@ -148,14 +155,16 @@ class DecoderStack : public torch::CustomClassHolder {
     at::Tensor h;
     {
       RECORD_FUNCTION("sgl_cpu::rms_norm", std::vector<c10::IValue>());
-      h = rms_norm(x, layers_[0].input_norm, eps_);
+      h = norm_op_ ? norm_op_->call(x, layers_[0].input_norm, eps_)
+                   : rms_norm(x, layers_[0].input_norm, eps_);
     }
     for (size_t l = 0; l < layers_.size(); ++l) {
       Layer& layer = layers_[l];
       at::Tensor qkv = layer.linears[0](h);
       {
         RECORD_FUNCTION("sgl_cpu::rope_store", std::vector<c10::IValue>());
-        rope_store(qkv, cos, sin, num_q_, num_kv_, D, k_[l], v_[l], loc);
+        if (rope_op_) rope_op_->call(qkv, cos, sin, num_q_, num_kv_, D, k_[l], v_[l], loc);
+        else rope_store(qkv, cos, sin, num_q_, num_kv_, D, k_[l], v_[l], loc);
       }
       const at::Tensor q = qkv.narrow(1, 0, num_q_ * D).view({T, num_q_, D});
       at::Tensor o;
@@ -170,7 +179,7 @@ class DecoderStack : public torch::CustomClassHolder {
       o = layer.linears[1](o.reshape({T, -1}));
       {
         RECORD_FUNCTION("sgl_cpu::add_rms_norm", std::vector<c10::IValue>());
-        h = add_rms_norm(o, x, layer.post_norm, eps_);
+        h = add_norm(o, x, layer.post_norm);
       }
       at::Tensor act;
       if (layer.fused_gate_up) {  // the same values, without the [T, 2 I] intermediate
@@ -184,14 +193,19 @@ class DecoderStack : public torch::CustomClassHolder {
       const at::Tensor out = layer.linears[3](act);
       {
         RECORD_FUNCTION("sgl_cpu::add_rms_norm", std::vector<c10::IValue>());
-        h = add_rms_norm(out, x,
-                         l + 1 < layers_.size() ? layers_[l + 1].input_norm : final_norm_, eps_);
+        h = add_norm(out, x, l + 1 < layers_.size() ? layers_[l + 1].input_norm : final_norm_);
       }
     }
     return h;
   }
 
  private:
+  // residual += x, then its RMSNorm, on the AVX-512 library's op where attention runs there
+  at::Tensor add_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& w) const {
+    return add_norm_op_ ? add_norm_op_->call(x, residual, w, eps_)
+                        : add_rms_norm(x, residual, w, eps_);
+  }
+
   struct Layer {
     at::Tensor input_norm, post_norm;
     Linear linears[4];  // qkv_proj, o_proj, gate_up_proj, down_proj
@@ -204,6 +218,9 @@ class DecoderStack : public torch::CustomClassHolder {
   int64_t num_q_ = 0, num_kv_ = 0, head_dim_ = 0, attention_kind_ = AVX2_ATTENTION;
   std::optional<c10::TypedOperatorHandle<AttentionOp>> attention_op_;
   std::optional<c10::TypedOperatorHandle<SiluOp>> silu_op_;
+  std::optional<c10::TypedOperatorHandle<NormOp>> norm_op_;
+  std::optional<c10::TypedOperatorHandle<AddNormOp>> add_norm_op_;
+  std::optional<c10::TypedOperatorHandle<RopeOp>> rope_op_;
   double eps_ = 0, scale_ = 0, softcap_ = 0;
 };
 

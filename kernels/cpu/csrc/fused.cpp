@@ -15,6 +15,7 @@
 
 #include <cmath>
 
+#include "rope_checks.h"
 #include "vec.h"
 
 // float32 and bfloat16 only (the vector loads and stores of vec.h)
@@ -106,24 +107,8 @@ void rope_store(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, i
                 int64_t num_kv, int64_t head_dim, at::Tensor& k_buf, at::Tensor& v_buf,
                 const at::Tensor& loc) {
   const int64_t T = qkv.size(0), D = head_dim, half = D / 2;
-  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && qkv.size(1) == (num_q + 2 * num_kv) * D,
-              "qkv must be a contiguous [T, (num_q + 2 num_kv) * head_dim] tensor");
-  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(0) == T && cos.size(1) == D &&
-              cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == qkv.scalar_type(),
-              "cos and sin must be contiguous [T, head_dim] in qkv's dtype");
-  TORCH_CHECK(k_buf.scalar_type() == v_buf.scalar_type() &&
-              (k_buf.scalar_type() == qkv.scalar_type() || k_buf.scalar_type() == at::kFloat ||
-               k_buf.scalar_type() == at::kBFloat16) &&
-              k_buf.is_contiguous() && v_buf.is_contiguous() && k_buf.size(1) == num_kv &&
-              k_buf.size(2) == D, "the KV buffers must be contiguous [C, num_kv, head_dim], "
-              "both in qkv's dtype, float32 or bfloat16");
-  TORCH_CHECK(loc.numel() == T && loc.scalar_type() == at::kLong, "loc must be [T] int64");
-  TORCH_CHECK(D % 2 == 0, "head_dim must be even");
-  const auto lc = loc.contiguous();
+  const auto lc = check_rope_store(qkv, cos, sin, num_q, num_kv, head_dim, k_buf, v_buf, loc);
   const int64_t* lp = lc.data_ptr<int64_t>();
-  const int64_t C = k_buf.size(0);
-  for (int64_t t = 0; t < T; ++t)
-    TORCH_CHECK(lp[t] >= 0 && lp[t] < C, "loc[", t, "] = ", lp[t], " is outside the pool");
   SGL_DISPATCH_FLOAT_BF16(qkv.scalar_type(), "rope_store", [&] {
     scalar_t* p = qkv.data_ptr<scalar_t>();
     const scalar_t* cp = cos.data_ptr<scalar_t>();
