@@ -18,7 +18,9 @@ Attention kernels (:data:`ATTENTION_KERNELS`, :mod:`kernels.cpu.attention`), one
 "avx512_vnni" (``sgl_cpu_vnni::attention``: float32 FMAs on 16 lanes) and "avx512_bf16"
 (``sgl_cpu_vnni::attention_bf16``: bf16 dot products where q and K/V are bfloat16 and head_dim
 is a multiple of 32, else the float32 AVX-512 path); :func:`attention_kernel` picks. The fused
-decoder-layer ops are AVX2.
+decoder-layer ops (RMSNorm, residual add + RMSNorm, RoPE + K/V store, SiLU * up) come in both
+libraries (``csrc/fused.cpp``, ``csrc_vnni/fused512.cpp``); a model runs those of the library
+its attention kernel is in.
 
 Selection: :func:`unavailable_reason` says why a library cannot be used here (not built, or
 the CPU lacks its instructions); :func:`linear_kernel` picks the best linear kernel for a

@@ -7,7 +7,7 @@ no mask tensor. Partitions of 512 positions run as separate work items (flash-de
 single long sequence uses every core, and a token's output does not depend on the rest of the
 batch (see ``csrc/attention_impl.h``). The backend also offers the decoder layer fused ops
 (``fused = True``): RMSNorm, residual add + RMSNorm, RoPE + K/V store, SiLU * up
-(``csrc/fused.cpp``).
+(``csrc/fused.cpp``, or ``csrc_vnni/fused512.cpp`` with the AVX-512 attention kernels).
 """
 
 from __future__ import annotations
