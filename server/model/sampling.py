@@ -195,7 +195,7 @@ class Sampler:
         elif all(ranked):
             kept = _kept_ranked(logits, states)
         else:
-            kept = torch.empty(logits.shape, dtype=torch.float64, device=dev)
+            kept = torch.empty(logits.shape, dtype=logits.dtype, device=dev)
             for flag, fn in ((False, _kept_plain), (True, _kept_ranked)):
                 rows = [i for i, r in enumerate(ranked) if r == flag]
                 idx = _index(rows, dev)
@@ -204,31 +204,57 @@ class Sampler:
                           for st in states], dtype=torch.float64)
         if dev.type != "cpu":
             u = u.pin_memory().to(dev, non_blocking=True)
-        target = (u * kept[:, -1])[:, None]
-        return torch.searchsorted(kept, target, right=True).clamp_(max=vocab - 1).squeeze(1)
+        return _inverse_cdf(kept, u)
 
 
 RANK_HEAD = 1024  # top-k / top-p rows first look at this many most likely ids (CPU)
+CDF_BLOCK = 1024  # ids per block of the two-level inverse-CDF search
+
+
+def _inverse_cdf(kept: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """[B] int64: per row, the first id whose cumulative kept mass (token-id order) exceeds u
+    times the row's total; ``kept`` [B, V] float32 >= 0 with some mass in every row,
+    ``u`` [B] float64 in [0, 1). Two levels instead of one [B, V] float64 running sum (16 x
+    49,152 on 2 CPU cores: ~0.26 -> ~0.1 ms): the running sum of block totals (CDF_BLOCK ids,
+    each summed in float32, a relative error ~1e-7 in where a block starts) picks the block,
+    then that block's running sum in float64 the id. Each row's arithmetic is its own (the same
+    draw in any batch), and an id with no mass is never chosen (where rounding puts the target
+    past a block's own running sum, its last id with mass is taken)."""
+    b, v = kept.shape
+    nb = -(-v // CDF_BLOCK)
+    if nb * CDF_BLOCK != v:
+        kept = torch.nn.functional.pad(kept, (0, nb * CDF_BLOCK - v))
+    blocks = kept.view(b, nb, CDF_BLOCK)
+    sums = blocks.sum(dim=-1).double()  # [B, nb]: float32 block totals, 5x faster than float64
+    ends = sums.cumsum(dim=-1)
+    target = u[:, None] * ends[:, -1:]
+    last_block = torch.where(sums > 0, torch.arange(nb, device=kept.device), -1).amax(
+        dim=-1, keepdim=True)  # target may round to the total: no block past the mass
+    j = torch.minimum(torch.searchsorted(ends, target, right=True), last_block)  # [B, 1]
+    before = torch.where(j > 0, ends.gather(1, (j - 1).clamp(min=0)), 0.0)
+    block = blocks.gather(1, j[:, :, None].expand(b, 1, CDF_BLOCK)).squeeze(1)  # [B, BLOCK]
+    i = torch.searchsorted(block.double().cumsum_(dim=-1), target - before, right=True)
+    ids = torch.arange(CDF_BLOCK, device=kept.device)[None, :]
+    last = torch.where(block > 0, ids, -1).amax(dim=-1, keepdim=True)  # the block has mass
+    return (j * CDF_BLOCK + torch.minimum(i, last)).squeeze(1)
 
 
 def _kept_plain(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
-    """Rows without top-k / top-p: cumulative kept probabilities [B, V] float64 in token-id
-    order after temperature and min-p; no sort over the vocabulary (~2 ms a row on 2 CPU
-    cores for 49k ids)."""
+    """Rows without top-k / top-p: kept probabilities [B, V] (float32 from float32 logits) in
+    token-id order after temperature and min-p; no sort over the vocabulary (~2 ms a row on 2
+    CPU cores for 49k ids)."""
     dev = logits.device
     temps = _values([st.params.temperature for st in states], logits.dtype, dev)[:, None]
     probs = torch.softmax(logits / temps, dim=-1)
-    # float64 running sum: ~1e5 additions must not add rounding of their own.
-    kept = probs.double()
     if any(st.params.min_p > 0.0 for st in states):  # min-p 0 drops nothing (probs >= 0)
         min_p = _values([st.params.min_p for st in states], logits.dtype, dev)[:, None]
-        kept.masked_fill_(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
-    return kept.cumsum_(dim=-1)
+        probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
+    return probs
 
 
 def _kept_ranked(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
     """Rows with top-k and/or top-p, decided in descending-probability order; returns the
-    cumulative kept probabilities [B, V] float64 in token-id order.
+    kept probabilities [B, V] (float32 from float32 logits) in token-id order.
 
     On a CPU the ranking first takes the RANK_HEAD most likely ids (``topk``), which is exact
     when every row's kept set must lie inside them (top-k <= RANK_HEAD, or the head already
@@ -256,8 +282,8 @@ def _kept_ranked(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch
     drop |= (probs.cumsum(dim=-1) - probs) > top_p  # the smallest set reaching top_p
     drop |= probs < min_p * probs[:, :1]
     drop[:, 0] = False  # the most likely token always survives
-    return torch.zeros(logits.shape, dtype=torch.float64, device=dev).scatter_(
-        1, ids, probs.double().masked_fill(drop, 0.0)).cumsum_(dim=-1)
+    return torch.zeros(logits.shape, dtype=probs.dtype, device=dev).scatter_(
+        1, ids, probs.masked_fill(drop, 0.0))
 
 
 def _has_processors(st: SamplingState) -> bool:
