@@ -124,7 +124,8 @@ class Engine:
                                      if self.runner.batch_invariant else 0)
             self.config = dataclasses.replace(self.config, scheduler=sc)
         self.scheduler = Scheduler(sc, self.cache, vocab_size=loaded.arch.vocab_size,
-                                   context_len=self.context_len, sampler=Sampler(self.config.seed),
+                                   context_len=self.context_len,
+                                   sampler=Sampler(self.config.seed, native=linear is not None),
                                    seed=self.config.seed, tokenizer=loaded.tokenizer)
         self.eos_ids = frozenset(self._eos_ids())
         self._grammars: GrammarCompiler | None = None

@@ -20,7 +20,8 @@ Attention kernels (:data:`ATTENTION_KERNELS`, :mod:`kernels.cpu.attention`), one
 is a multiple of 32, else the float32 AVX-512 path); :func:`attention_kernel` picks. The fused
 decoder-layer ops (RMSNorm, residual add + RMSNorm, RoPE + K/V store, SiLU * up) come in both
 libraries (``csrc/fused.cpp``, ``csrc_vnni/fused512.cpp``); a model runs those of the library
-its attention kernel is in.
+its attention kernel is in. ``sgl_cpu::sample_tempered`` (``csrc/sample.cpp``) draws the sampler's
+temperature / min-p rows (:class:`server.model.sampling.Sampler` with ``native``).
 
 Selection: :func:`unavailable_reason` says why a library cannot be used here (not built, or
 the CPU lacks its instructions); :func:`linear_kernel` picks the best linear kernel for a

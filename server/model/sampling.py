@@ -79,11 +79,24 @@ class Sampler:
     sampler's), drawn on the host, so a seeded request gives the same tokens on any device and
     in any batch. The chosen ids, their logprobs and the top logprobs cross to the host in one
     copy (the step's only device-to-host transfer on CUDA).
+
+    With ``native`` (and the ``kernels.cpu`` library built), CPU rows with temperature (and
+    min-p) only are drawn by ``sgl_cpu::sample_tempered`` (``kernels/cpu/csrc/sample.cpp``):
+    the same rule in one pass over each row instead of five torch ops. Its exp is not torch's,
+    so a seeded row may differ from the torch path at the ~1e-7 level of probability; which
+    path runs depends only on the configuration (``--cpu-isa none`` keeps torch's), never on
+    the batch.
     """
 
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, native: bool = False):
         self.generator = torch.Generator()
         self.generator.manual_seed(seed)
+        self._tempered = None
+        if native:
+            from kernels import cpu as kernels_cpu
+
+            if kernels_cpu.available("avx2"):
+                self._tempered = torch.ops.sgl_cpu.sample_tempered
 
     def sample(self, logits: torch.Tensor, states: Sequence[SamplingState], *,
                want_logprobs: bool = False, num_top_logprobs: int = 0) -> SampleOutput:
@@ -190,21 +203,37 @@ class Sampler:
         dev = logits.device
         vocab = logits.shape[-1]
         ranked = [0 < st.params.top_k < vocab or st.params.top_p < 1.0 for st in states]
-        if not any(ranked):  # temperature (and min-p) only, the common case
-            kept = _kept_plain(logits, states)
-        elif all(ranked):
-            kept = _kept_ranked(logits, states)
-        else:
-            kept = torch.empty(logits.shape, dtype=logits.dtype, device=dev)
-            for flag, fn in ((False, _kept_plain), (True, _kept_ranked)):
-                rows = [i for i, r in enumerate(ranked) if r == flag]
-                idx = _index(rows, dev)
-                kept[idx] = fn(logits[idx], [states[i] for i in rows])
         u = torch.tensor([float(torch.rand((), generator=st.generator or self.generator))
                           for st in states], dtype=torch.float64)
         if dev.type != "cpu":
             u = u.pin_memory().to(dev, non_blocking=True)
-        return _inverse_cdf(kept, u)
+        ids = None
+        for flag in (False, True):  # plain rows, then ranked ones; each row drawn on its own
+            rows = [i for i, r in enumerate(ranked) if r == flag]
+            if not rows:
+                continue
+            if len(rows) == len(states):
+                return self._draw_rows(logits, states, u, ranked=flag)
+            idx = _index(rows, dev)
+            if ids is None:
+                ids = torch.empty(len(states), dtype=torch.int64, device=dev)
+            ids[idx] = self._draw_rows(logits[idx], [states[i] for i in rows], u[idx],
+                                       ranked=flag)
+        return ids
+
+    def _draw_rows(self, logits: torch.Tensor, states: Sequence[SamplingState], u: torch.Tensor,
+                   ranked: bool) -> torch.Tensor:
+        """[B] ids of rows that all have (``ranked``) or all lack top-k / top-p: ranked rows
+        through the ranking, plain ones through the native kernel where it serves (CPU float32
+        logits), else through softmax and the two-level search."""
+        if ranked:
+            return _inverse_cdf(_kept_ranked(logits, states), u)
+        if (self._tempered is not None and logits.device.type == "cpu"
+                and logits.dtype == torch.float32):
+            inv_t = torch.tensor([1.0 / st.params.temperature for st in states])
+            min_p = torch.tensor([st.params.min_p for st in states], dtype=torch.float32)
+            return self._tempered(logits, inv_t, min_p, u)
+        return _inverse_cdf(_kept_plain(logits, states), u)
 
 
 RANK_HEAD = 1024  # top-k / top-p rows first look at this many most likely ids (CPU)

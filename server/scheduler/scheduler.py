@@ -50,8 +50,7 @@ from server.scheduler.admission import StepSharing, WaitingOrder
 from server.scheduler.batches import Plan, build_decode, build_extend
 from server.scheduler.draft_cost import DraftGate
 from server.scheduler.metrics import SchedulerStats, snapshot
-from server.scheduler.outputs import (TokenDelta, record_input_logprobs, sample_and_append,
-                                      set_draft)
+from server.scheduler.outputs import TokenDelta, record_input_logprobs, sample_and_append, set_draft
 from server.scheduler.request import FinishReason, Req, ReqStatus
 from server.scheduler.validation import InvalidRequestError, validate_request
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kernels import cpu as native
+from kernels import reference
 from kernels.cpu_features import (
     ISA_LEVELS,
     at_least,
@@ -15,7 +16,6 @@ from kernels.cpu_features import (
     isa_from_flags,
     native_bf16,
 )
-from kernels import reference
 from kernels.reference import extend_attention
 from server.model.quantization import quantize_int4, quantize_int8
 
@@ -358,3 +358,28 @@ def test_a_forced_bf16_class_runs_the_bf16_paths_of_an_amx_machine(make_tiny_mod
     a = amx.generate(input_ids=ids, sampling_params=params)["output_ids"]
     b = ref.generate(input_ids=ids, sampling_params=params)["output_ids"]
     assert a[:2] == b[:2]
+
+
+@needs_native
+def test_sample_tempered_never_draws_a_masked_id_and_ignores_the_batch():
+    """Across vocabulary sizes (with and without a partial last block and vector tail), masked
+    logits and min-p, u at both ends of [0, 1): the drawn id has mass, and a row drawn alone
+    gives the same id as in the batch; bad inputs are errors, not crashes."""
+    op = torch.ops.sgl_cpu.sample_tempered
+    g = torch.Generator().manual_seed(6)
+    for vocab in (1, 13, 1024, 3000, 49152):
+        x = torch.randn(6, vocab, generator=g) * 5
+        x[torch.rand(6, vocab, generator=g) < 0.5] = float("-inf")
+        x[:, 0] = 0.0  # some mass in every row
+        inv_t = torch.rand(6, generator=g) * 3 + 0.2
+        min_p = torch.tensor([0.0, 0.1, 0.0, 0.5, 0.0, 0.9])
+        u = torch.rand(6, generator=g, dtype=torch.float64)
+        u[0], u[1] = 0.0, 1.0 - 2.0**-53
+        ids = op(x, inv_t, min_p, u)
+        probs = torch.softmax(x * inv_t[:, None], dim=-1)
+        kept = probs >= min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+        assert kept.gather(1, ids[:, None]).all() and (probs.gather(1, ids[:, None]) > 0).all()
+        for r in range(6):
+            assert op(x[r:r + 1], inv_t[r:r + 1], min_p[r:r + 1], u[r:r + 1]).item() == ids[r]
+    with pytest.raises(RuntimeError, match="float32|float64"):
+        op(torch.randn(2, 8), torch.ones(2), torch.zeros(2), torch.rand(2))
