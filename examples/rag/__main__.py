@@ -3,6 +3,7 @@ bundled server (``make run`` runs this with defaults).
 
     python -m examples.rag [--pipeline all|sgl|dspy|langchain] [--n 40] [--k 3]
                            [--grounded] [--no-baseline] [--base-url URL]
+                           [--baseline-url URL [--baseline-model NAME]]
                            [--data-dir DIR] [--out rag_results.jsonl]
 
 Without ``--base-url`` it starts the bundled server on the default model. By default all three
@@ -11,7 +12,9 @@ same questions, one after another, each with its own progress bar, then one tabl
 them: exact match / F1 on span questions (SQuAD), accuracy on yes/no questions (BoolQ),
 retrieval recall@k, questions per second and the server's cache hit rate. The baseline row is
 the same DSPy program through DSPy's own OpenAI-compatible route (``dspy.LM("openai/...")``)
-against a second server with the radix cache off: what a user gets without this project.
+against a second server with the radix cache off, or against ``--baseline-url`` (a peer such as
+vLLM-cpu): what a user gets without this project. ``make run RUN_ARGS="--baseline-url URL"``
+passes it through. ``python -m benchmarks.programs`` runs every program both ways.
 ``--grounded`` constrains span answers to a word span of a retrieved passage.
 One JSON line per question and pipeline goes to ``--out``.
 """
@@ -38,6 +41,24 @@ def _cache_counters(base_url: str) -> tuple[int, int] | None:
     except (httpx.HTTPError, ValueError, KeyError):
         return None
     return m["prompt_tokens"], m["cached_prompt_tokens"]
+
+
+def served_model(base_url: str) -> str:
+    """The first model id an OpenAI-compatible server lists at /v1/models (what a stock client
+    must send as ``model``). Raises httpx.HTTPError when the server does not answer."""
+    r = httpx.get(base_url + "/v1/models", timeout=30)
+    r.raise_for_status()
+    return r.json()["data"][0]["id"]
+
+
+def stock_dspy_lm(base_url: str, model: str | None = None, max_tokens: int = 48):
+    """DSPy's own OpenAI-compatible route (``dspy.LM("openai/...")``) to ``base_url``, greedy,
+    uncached: what a DSPy user runs without this project."""
+    import dspy
+
+    return dspy.LM(f"openai/{model or served_model(base_url)}", api_base=base_url + "/v1",
+                   api_key="EMPTY", num_retries=0, cache=False, temperature=0.0,
+                   max_tokens=max_tokens)
 
 
 def evaluate(pipeline: str, questions, retriever: Retriever, k: int, base_url: str,
@@ -75,7 +96,9 @@ def evaluate(pipeline: str, questions, retriever: Retriever, k: int, base_url: s
                       else (0, 0))
     summary = {
         "pipeline": pipeline, "questions": len(rows),
-        "errors": sum(r["error"] is not None for r in rows), "seconds": round(seconds, 1),
+        "errors": sum(r["error"] is not None for r in rows),
+        "empty": sum(r["error"] is None and not r["prediction"] for r in rows),
+        "seconds": round(seconds, 1),
         "questions_per_s": round(len(rows) / seconds, 2),
         "span_em": round(statistics.mean(r["em"] for r in spans), 3) if spans else None,
         "span_f1": round(statistics.mean(r["f1"] for r in spans), 3) if spans else None,
@@ -120,6 +143,11 @@ def main(argv: list[str] | None = None) -> None:
                     "own OpenAI route, radix cache off; on with --pipeline all)")
     ap.add_argument("--base-url", default=None, help="a running bundled server (default: start "
                     "one on the default model)")
+    ap.add_argument("--baseline-url", default=None, help="run the baseline row against this "
+                    "OpenAI-compatible server (vLLM, llama.cpp, ...; default: a second bundled "
+                    "server with the radix cache off)")
+    ap.add_argument("--baseline-model", default=None, help="the model name the baseline server "
+                    "serves (default: the first of its /v1/models)")
     ap.add_argument("--data-dir", default=None, help="directory with the wiki_rag files "
                     "(default ../shared/data/wiki_rag)")
     ap.add_argument("--out", default="rag_results.jsonl", help="per-question results (JSONL)")
@@ -148,16 +176,18 @@ def main(argv: list[str] | None = None) -> None:
             results.append(evaluate(name, questions, retriever, args.k, base_url, progress=True,
                                     grounded=args.grounded))
         if baseline:
-            import dspy
-
-            print("baseline: the DSPy program on dspy.LM('openai/...'), radix cache off ...")
-            plain = sgl.Runtime(max_total_tokens=32768, disable_radix_cache=True)
-            runtimes.append(plain)
-            lm = dspy.LM("openai/default", api_base=plain.base_url + "/v1", api_key="EMPTY",
-                         num_retries=0, cache=False, temperature=0.0, max_tokens=48)
-            result = evaluate("baseline", questions, retriever, args.k, plain.base_url,
-                              progress=True, grounded=False, lm=lm)
-            result["summary"]["pipeline"] = "dspy, openai route, no cache"
+            if args.baseline_url:
+                url = args.baseline_url.rstrip("/")
+                label = f"dspy, openai route, {url}"
+            else:
+                print("starting a second bundled server, radix cache off ...")
+                plain = sgl.Runtime(max_total_tokens=32768, disable_radix_cache=True)
+                runtimes.append(plain)
+                url, label = plain.base_url, "dspy, openai route, no cache"
+            print(f"baseline: the DSPy program on dspy.LM('openai/...') at {url} ...")
+            result = evaluate("baseline", questions, retriever, args.k, url, progress=True,
+                              grounded=False, lm=stock_dspy_lm(url, args.baseline_model))
+            result["summary"]["pipeline"] = label
             results.append(result)
     finally:
         for rt in runtimes:

@@ -123,8 +123,11 @@ def run_dspy(questions: list[Question], retriever: Retriever, k: int, base_url: 
 
 
 def run_langchain(questions: list[Question], retriever: Retriever, k: int, base_url: str,
-                  threads: int = 16, progress: bool = False, grounded: bool = True
+                  threads: int = 16, progress: bool = False, grounded: bool = True, llm=None
                   ) -> list[Answer]:
+    """``llm``: another chat model to run the same chain on (a stock ``ChatOpenAI``: its
+    ``with_structured_output(method="json_schema")``; ``grounded`` needs ChatSGLang's
+    ``substring_of``); default ChatSGLang on ``base_url``."""
     import pydantic
     from langchain_core.output_parsers import StrOutputParser
     from langchain_core.prompts import ChatPromptTemplate
@@ -138,7 +141,10 @@ def run_langchain(questions: list[Question], retriever: Retriever, k: int, base_
     class YesNoAnswer(pydantic.BaseModel):
         answer: Literal["yes", "no"]
 
-    llm = ChatSGLang(base_url=base_url, temperature=0, max_tokens=48)
+    if llm is None:
+        llm = ChatSGLang(base_url=base_url, temperature=0, max_tokens=48)
+    elif grounded:
+        raise ValueError("grounded span answers need ChatSGLang (substring_of)")
     prompt = ChatPromptTemplate.from_messages(
         [("system", SYSTEM), ("human", "Passages:\n{passages}\n\nQuestion: {question}")])
     def retrieve(x: dict) -> dict:
@@ -152,9 +158,10 @@ def run_langchain(questions: list[Question], retriever: Retriever, k: int, base_
         return SpanAnswer(answer=text[:60])
 
     span = RunnableLambda(grounded_answer) if grounded else prompt | llm.with_structured_output(
-        SpanAnswer)
+        SpanAnswer, method="json_schema")
     chains = {False: RunnableLambda(retrieve) | span,
-              True: RunnableLambda(retrieve) | prompt | llm.with_structured_output(YesNoAnswer)}
+              True: RunnableLambda(retrieve) | prompt | llm.with_structured_output(
+                  YesNoAnswer, method="json_schema")}
     answers: list[Answer] = [""] * len(questions)
     bar = None
     if progress:

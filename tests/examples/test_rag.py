@@ -161,3 +161,45 @@ def test_a_pipeline_that_cannot_run_at_all_still_gets_its_row(data_dir, tmp_path
     retriever = Retriever(passages, cache_dir=str(tmp_path))
     result = evaluate("sgl", questions, retriever, 2, "http://127.0.0.1:9")  # nothing listens
     assert result["summary"]["errors"] == 5 and result["summary"]["cache_hit_rate"] is None
+
+
+def test_the_programs_benchmark_runs_each_program_on_both_client_stacks(data_dir, tmp_path,
+                                                                          tiny_server, capsys):
+    """benchmarks.programs: the adapters' rows on our server and the stock clients' rows
+    (dspy.LM("openai/..."), ChatOpenAI json_schema) on ours and on a "peer" (here the same
+    server by another name), one table; the stock LangChain chain gets schema-valid answers
+    from a json_schema-enforcing server, and every question lands in the results file."""
+    pytest.importorskip("dspy")
+    pytest.importorskip("langchain_openai")
+    from benchmarks import programs
+
+    out = tmp_path / "programs.jsonl"
+    programs.main(["--n", "4", "--k", "2", "--ours", tiny_server.url, "--peer",
+                   f"peer={tiny_server.url}", "--programs", "dspy,langchain",
+                   "--data-dir", data_dir, "--out", str(out)])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    runs = {(r["program"], r["client"], r["server"]) for r in rows}
+    assert runs == {("dspy", "SGLangLM", "ours"), ("dspy", "dspy.LM('openai/...')", "ours"),
+                    ("dspy", "dspy.LM('openai/...')", "peer"), ("langchain", "ChatSGLang", "ours"),
+                    ("langchain", "ChatOpenAI json_schema", "ours"),
+                    ("langchain", "ChatOpenAI json_schema", "peer")}
+    assert len(rows) == 6 * 4
+    stock = [r for r in rows if r["client"] == "ChatOpenAI json_schema"]
+    assert all(r["error"] is None for r in stock), stock
+    assert all(r["prediction"] in ("yes", "no") for r in stock if r["answer_type"] == "yes_no")
+    printed = capsys.readouterr().out
+    assert "| program" in printed and "ChatOpenAI json_schema" in printed and "class" in printed
+
+
+def test_the_baseline_row_can_run_on_any_openai_compatible_server(data_dir, tmp_path,
+                                                                  tiny_server, capsys):
+    """--baseline-url: the baseline row (DSPy's own OpenAI route) runs against that server,
+    with the model name it lists, instead of a second bundled server."""
+    pytest.importorskip("dspy")
+    out = tmp_path / "results.jsonl"
+    main(["--n", "2", "--k", "2", "--base-url", tiny_server.url, "--baseline-url",
+          tiny_server.url + "/", "--data-dir", data_dir, "--out", str(out)])
+    pipelines = {json.loads(line)["pipeline"] for line in out.read_text().splitlines()}
+    assert pipelines == {"sgl", "dspy", "langchain",
+                         f"dspy, openai route, {tiny_server.url}"}
+    assert "starting a second bundled server" not in capsys.readouterr().out

