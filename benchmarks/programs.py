@@ -4,7 +4,7 @@ the stock clients on any OpenAI-compatible server (ours, vLLM-cpu, llama.cpp), i
 
     python -m benchmarks.programs [--n 40] [--k 3] [--ours URL]
                                   [--peer NAME=URL ...] [--programs sgl,dspy,langchain]
-                                  [--out programs.jsonl]
+                                  [--warmup 2] [--out programs.jsonl]
 
 Rows (the same questions, retrieval and prompts in each):
 * ``sgl`` / the language (``RuntimeEndpoint``: fork over the passages, ``select``) / ours;
@@ -13,6 +13,10 @@ Rows (the same questions, retrieval and prompts in each):
   and on each peer;
 * ``langchain`` / ``ChatSGLang.with_structured_output`` / ours, then ``langchain_openai.ChatOpenAI
   .with_structured_output(method="json_schema")`` on ours and on each peer.
+Each row first runs ``--warmup`` questions untimed (compiling its schemas on the server), then
+starts on an empty prefix cache where the server can be told to empty it (our
+``/flush_cache``, vLLM's ``/reset_prefix_cache``): the rows ask the same questions over the
+same passages, and a warm cache would hand a later row the earlier row's prefills.
 Columns: questions per second (the program's wall time over its questions, 16 in flight),
 span EM / F1 (SQuAD), yes/no accuracy (BoolQ), errors (a question that raised: a parse
 failure, a refused request), empty answers (parsed, but nothing in them). Span answers are free
@@ -65,6 +69,21 @@ def runs(programs: list[str], ours: str, peers: dict[str, str]) -> list[tuple]:
     return rows
 
 
+def flush_prefix_cache(base_url: str) -> str | None:
+    """Empty the server's prefix cache so a row does not reuse the prompts of the row before
+    (the same questions and passages): SGLang's ``POST /flush_cache`` (ours), else vLLM's
+    ``POST /reset_prefix_cache``. Returns the route that answered 200, or None."""
+    import httpx
+
+    for route in ("/flush_cache", "/reset_prefix_cache"):
+        try:
+            if httpx.post(base_url + route, timeout=60).status_code == 200:
+                return route
+        except httpx.HTTPError:
+            pass
+    return None
+
+
 def table_row(program: str, client: str, server: str, summary: dict) -> list[str]:
     def f(v):
         return "-" if v is None else f"{v:.3f}"
@@ -88,6 +107,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--peer", action="append", default=[], metavar="NAME=URL",
                     help="an OpenAI-compatible server for the stock-client rows (repeatable)")
     ap.add_argument("--programs", default="sgl,dspy,langchain")
+    ap.add_argument("--warmup", type=int, default=2, help="questions each row runs untimed "
+                    "first (a server compiles a schema once and caches it: without a warm-up "
+                    "the first row to use a schema pays for every later one)")
     ap.add_argument("--data-dir", default=None)
     ap.add_argument("--out", default="programs.jsonl", help="per-question results (JSONL)")
     args = ap.parse_args(argv)
@@ -95,7 +117,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"CPU: {cpu_description()}")
     passages, questions = load(args.data_dir)
     retriever = Retriever(passages)
-    questions = mixed(questions, args.n)
+    questions = mixed(questions, args.n + args.warmup)  # the warm-up's are not timed ones
+    warm, questions = questions[args.n:], questions[:args.n]
     import sgl_adapters as sgl
 
     runtime = None
@@ -110,6 +133,10 @@ def main(argv: list[str] | None = None) -> None:
                                                         peers.items()}):
             print(f"{program} / {client} / {server} ({url}): {len(questions)} questions ...")
             kwargs = {key: make() for key, make in lazy.items()}
+            if warm:  # untimed: compiles this row's schemas / grammars on the server
+                evaluate(program, warm, retriever, args.k, url, grounded=False, **kwargs)
+            if flush_prefix_cache(url) is None:
+                print(f"  (no way to empty {server}'s prefix cache: it may reuse earlier rows)")
             result = evaluate(program, questions, retriever, args.k, url, progress=True,
                               grounded=False, **kwargs)
             table.append(table_row(program, client, server, result["summary"]))
