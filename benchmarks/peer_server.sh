@@ -1,6 +1,7 @@
 #!/bin/bash
 # Start one peer server in the foreground, as ../shared/peers/run_peer.sh starts it (same model
-# files, flags and environment), for benchmarks that bring their own client
+# files, flags and environment; llama.cpp also gets --alias smollm2, so /v1/models names the
+# model), for benchmarks that bring their own client
 # (python -m benchmarks.programs --peer NAME=URL). Needs ../shared/peers/setup.sh's $PEERS_ENV.
 #   usage: benchmarks/peer_server.sh vllm-bf16|vllm-fp32|llamacpp
 #   URLs:  vLLM http://127.0.0.1:8000, llama.cpp http://127.0.0.1:8081 (model "smollm2")
