@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from benchmarks.common import print_table
 from examples.rag.__main__ import evaluate, served_model, stock_dspy_lm
 from examples.rag.data import load, mixed
 from examples.rag.retrieval import Retriever
@@ -92,12 +93,6 @@ def table_row(program: str, client: str, server: str, summary: dict) -> list[str
             str(summary["empty"]), f"{summary['seconds']:.1f}"]
 
 
-def print_table(rows: list[list[str]]) -> None:
-    widths = [max(len(r[i]) for r in [COLUMNS, *rows]) for i in range(len(COLUMNS))]
-    for r in [COLUMNS, ["-" * w for w in widths], *rows]:
-        print("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |")
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=40, help="questions, half span, half yes/no")
@@ -150,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
                 f.write(json.dumps({"program": program, "client": client, "server": server,
                                     **row}) + "\n")
     print()
-    print_table(table)
+    print_table(COLUMNS, table)
     print(f"{len(questions)} questions, k={args.k}, span answers free text; per-question "
           f"results: {args.out}")
 

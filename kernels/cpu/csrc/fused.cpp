@@ -15,7 +15,7 @@
 
 #include <cmath>
 
-#include "rope_checks.h"
+#include "fused_checks.h"
 #include "vec.h"
 
 // float32 and bfloat16 only (the vector loads and stores of vec.h)
@@ -47,14 +47,6 @@ void norm_row(const T* x, const T* w, int64_t H, float eps, T* y) {
   for (i = 0; i + 8 <= H; i += 8)
     store8(y + i, _mm256_mul_ps(load8(w + i), round_to<T>(_mm256_mul_ps(load8(x + i), vinv))));
   for (; i < H; ++i) y[i] = static_cast<T>(f(w[i]) * f(static_cast<T>(f(x[i]) * inv)));
-}
-
-void check_rows(const at::Tensor& x, const at::Tensor& w) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [T, H] tensor");
-  TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(1) && w.scalar_type() == x.scalar_type(),
-              "weight must be [H] in x's dtype");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
-              "x must be float32 or bfloat16");
 }
 
 }  // namespace

@@ -17,7 +17,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include "../csrc/rope_checks.h"
+#include "../csrc/fused_checks.h"
 #include "vec512.h"
 
 #include <cmath>
@@ -66,14 +66,6 @@ void norm_row(const T* x, const T* w, int64_t H, float eps, T* y) {
   }
 }
 
-void check_rows(const at::Tensor& x, const at::Tensor& w) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [T, H] tensor");
-  TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(1) && w.scalar_type() == x.scalar_type(),
-              "weight must be [H] in x's dtype");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
-              "x must be float32 or bfloat16");
-}
-
 // f(pointer of x's dtype, the same for out) for float32 or bfloat16 tensors
 template <typename F>
 void with_rows(const at::Tensor& x, at::Tensor& out, F&& f) {
@@ -84,7 +76,7 @@ void with_rows(const at::Tensor& x, at::Tensor& out, F&& f) {
 }  // namespace
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
-  check_rows(x, w);
+  sgl_cpu::check_rows(x, w);
   auto y = at::empty_like(x);
   const int64_t T = x.size(0), H = x.size(1);
   const auto wc = w.contiguous();
@@ -100,7 +92,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
 
 at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& w,
                         double eps) {
-  check_rows(x, w);
+  sgl_cpu::check_rows(x, w);
   TORCH_CHECK(residual.sizes() == x.sizes() && residual.is_contiguous() &&
               residual.scalar_type() == x.scalar_type(), "residual must be like x");
   auto y = at::empty_like(x);

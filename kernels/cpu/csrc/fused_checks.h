@@ -1,10 +1,20 @@
-// The argument checks of rope_store, shared by the AVX2 op (fused.cpp) and the AVX-512 one
-// (../csrc_vnni/fused512.cpp), which live in separate libraries.
+// The argument checks of the fused decoder-layer ops, shared by the AVX2 ops (fused.cpp) and
+// the AVX-512 ones (../csrc_vnni/fused512.cpp), which live in separate libraries.
 #pragma once
 
 #include <ATen/ATen.h>
 
 namespace sgl_cpu {
+
+// x [T, H] contiguous, float32 or bfloat16; w [H] in x's dtype (RMSNorm's weight). Raises
+// c10::Error naming the argument.
+inline void check_rows(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [T, H] tensor");
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(1) && w.scalar_type() == x.scalar_type(),
+              "weight must be [H] in x's dtype");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "x must be float32 or bfloat16");
+}
 
 // qkv [T, (num_q + 2 num_kv) * head_dim] contiguous; cos, sin [T, head_dim] in qkv's dtype;
 // k_buf, v_buf [C, num_kv, head_dim] contiguous, float32 or bfloat16 (or qkv's dtype); loc
