@@ -43,22 +43,31 @@ def _stream(url: str, results: list, i: int) -> None:
         results.append((None, repr(exc), time.monotonic()))
 
 
-def _start_streams(url, n, server=None):
+def _start_streams(url, n, server=None, mid_stream=False):
     """n streaming requests on threads; with ``server``, returns once the server serves all n
-    (its /server_info lists them), so a fault injected next meets them all in flight."""
+    (its /server_info lists them), so a fault injected next meets them all in flight; with
+    ``mid_stream`` also, once one of them has produced output and has most of it still to come
+    (on a fast machine the first wave of the tiny model's streams could finish while the later
+    ones were still connecting, and a fault then met only streams with no output yet)."""
     results: list = []
     threads = [threading.Thread(target=_stream, args=(url, results, i)) for i in range(n)]
     for t in threads:
         t.start()
     deadline = time.monotonic() + 30
-    while server is not None and len(server.server_info()["requests"]) < n:
+    all_seen = False  # once all n were listed (finished ones then leave the list)
+    while server is not None:
+        reqs = server.server_info()["requests"]
+        all_seen = all_seen or len(reqs) == n
+        if all_seen and (not mid_stream or any(
+                0 < r["completion_tokens"] < r["max_new_tokens"] // 2 for r in reqs)):
+            break
         assert time.monotonic() < deadline, "the streams never all reached the server"
-        time.sleep(0.05)
+        time.sleep(0.02)
     return results, threads
 
 
 def test_scheduler_killed_fails_requests_and_exits_nonzero(server):
-    results, threads = _start_streams(server.url, 16, server)
+    results, threads = _start_streams(server.url, 16, server, mid_stream=True)
     killed_at = time.monotonic()
     os.kill(server.scheduler_pid(), signal.SIGKILL)
     for t in threads:
