@@ -15,7 +15,8 @@ PYTEST_ARGS ?=
 RUN_ARGS ?=
 
 KERNELS := kernels/cpu/_build/sgl_cpu.so kernels/cpu/_build/vnni/sgl_cpu_vnni.so
-KERNEL_SOURCES := $(wildcard kernels/cpu/csrc/*.cpp kernels/cpu/csrc/*.h kernels/cpu/csrc_vnni/*.cpp)
+KERNEL_SOURCES := $(wildcard kernels/cpu/csrc/*.cpp kernels/cpu/csrc/*.h kernels/cpu/csrc_vnni/*.cpp \
+                            kernels/cpu/csrc_vnni/*.h)
 
 .PHONY: run test bench install clean
 
