@@ -74,9 +74,13 @@ class DecoderLayer(nn.Module):
             self.k_norm = nn.Parameter(torch.ones(arch.head_dim))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attn: AttentionBackend, attn_id: int | None = None) -> torch.Tensor:
+                attn: AttentionBackend, attn_id: int | None = None,
+                out_rows: torch.Tensor | None = None) -> torch.Tensor:
         """x: [T, hidden] (the residual stream; a backend with fused ops updates it in
-        place). Returns the layer's output [T, hidden]."""
+        place). Returns the layer's output [T, hidden], or with ``out_rows`` ([N] int64 row
+        indices) only those rows' [N, hidden]: every row's K/V is still stored and attended
+        from, but the rest of the layer (o_proj, MLP) runs on the N rows alone (the last
+        layer of a pass whose other rows' outputs nobody reads)."""
         t = x.shape[0]
         # a backend's fused ops (kernels.cpu: RoPE + K/V store, residual add + RMSNorm,
         # SiLU * up) replace several small ops each; not under torch.compile (its graph
@@ -90,6 +94,11 @@ class DecoderLayer(nn.Module):
             o = attn.attend(self.layer_id, q, self.scale, self.window, self.softcap)
         else:
             o = self._attention(qkv, cos, sin, attn, attn_id)
+        if out_rows is not None:
+            t = out_rows.numel()
+            if t == 0:
+                return x.new_empty((0, x.shape[1]))
+            o, x = o[out_rows], x[out_rows]
         o = self.o_proj(o.reshape(t, -1))
         if self.tp is not None:
             o = self.tp.all_reduce(o)
@@ -182,11 +191,17 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn: AttentionBackend, attn_id: int | None = None,
-                embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
+                out_rows: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, positions: [T] int64. Returns final-normed hidden states [T, hidden].
         ``attn_id``: the backend's id in :mod:`server.model.compiled` when compiled.
         ``embeds``: (rows [M] int64, vectors [M, hidden]) that replace the token embeddings
-        of those rows (a multimodal model's image vectors)."""
+        of those rows (a multimodal model's image vectors).
+        ``out_rows``: [N] int64 indices of the rows wanted (the runner's logit rows): the
+        hidden states [N, hidden] of those rows are returned, and the last layer runs its
+        o_proj and MLP on them alone (a 512-token prefill chunk that wants one row's logits
+        skips ~1/num_layers of the pass). Rows are computed independently on the native CPU
+        kernels, so a row's values do not change (tested)."""
         x = (self.embed_tokens(input_ids) if self.tp is None
              else self.tp.embed(self.embed_tokens, input_ids))
         if self.arch.embed_scale != 1.0:  # Gemma: the scale is rounded to x's dtype first
@@ -196,12 +211,13 @@ class LlamaForCausalLM(nn.Module):
         cos = self.cos_cache[positions].to(x.dtype)
         sin = self.sin_cache[positions].to(x.dtype)
         if self.native_stack is not None and attn_id is None:
-            return self.native_stack.forward(x, cos, sin, *attn.stack_inputs())
+            return self.native_stack.forward(x, cos, sin, *attn.stack_inputs(), out_rows)
         local = (self.cos_local[positions].to(x.dtype), self.sin_local[positions].to(x.dtype)) \
             if self.arch.local_rope_theta is not None else (cos, sin)
-        for layer in self.layers:
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
             c, s = local if layer.window else (cos, sin)
-            x = layer(x, c, s, attn, attn_id)
+            x = layer(x, c, s, attn, attn_id, out_rows if i == last else None)
         return attn.rms_norm(x, self.norm, self.arch.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

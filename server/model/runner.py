@@ -97,7 +97,9 @@ class ModelRunner:
         self._hidden = self._eager_hidden
         if self.compiled:
             self._attn_id = register_backend(self.attention)
-            self._hidden = compile_forward(self._compiled_hidden, compile_cache_dir)
+            stack = compile_forward(self._compiled_stack, compile_cache_dir)
+            # every row, then the wanted ones: a data-dependent row count would recompile
+            self._hidden = lambda ids, pos, rows: stack(ids, pos)[rows]
         self.graphs: CudaGraphRunner | None = None
         # MoE layers read their per-expert token counts on the host: not capturable.
         if (self.device.type == "cuda" and cuda_graph_max_bs > 0 and req_to_token is not None
@@ -124,10 +126,11 @@ class ModelRunner:
                 and self.attention.name == "cpu" and self.quant_report.row_invariant
                 and not self.arch.sparse_layers)
 
-    def _eager_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions, self.attention)
+    def _eager_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                      out_rows: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions, self.attention, out_rows=out_rows)
 
-    def _compiled_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _compiled_stack(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions, self.attention, self._attn_id)
 
     def _image_embeds(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,11 +182,13 @@ class ModelRunner:
             extend_lens=batch.extend_lens,
             out_cache_loc=batch.out_cache_loc.to(dev),
         ))
+        # only the logit rows' hidden states: the last layer's o_proj and MLP skip the rest
+        rows = batch.logits_indices.to(dev)
         if batch.images:  # image vectors replace the image tokens' embeddings (eager path)
             hidden = self.model(batch.input_ids.to(dev), batch.positions.to(dev),
-                                self.attention, embeds=self._image_embeds(batch))
+                                self.attention, embeds=self._image_embeds(batch), out_rows=rows)
         else:
-            hidden = self._hidden(batch.input_ids.to(dev), batch.positions.to(dev))
-        if batch.logits_indices.numel() == 0:
+            hidden = self._hidden(batch.input_ids.to(dev), batch.positions.to(dev), rows)
+        if rows.numel() == 0:
             return RunnerOutput(torch.empty((0, self.arch.vocab_size), dtype=torch.float32))
-        return RunnerOutput(self.model.compute_logits(hidden[batch.logits_indices.to(dev)]))
+        return RunnerOutput(self.model.compute_logits(hidden))

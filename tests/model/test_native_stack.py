@@ -54,3 +54,29 @@ def test_models_it_does_not_take_run_the_python_loop(make_tiny_model):
         assert engine.runner.model.native_stack is None
         assert reason in unsupported_reason(engine.runner.model, engine.runner.attention)
         assert len(engine.generate(input_ids=[5, 6, 7], sampling_params=SP)["output_ids"]) == 5
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("stack", [True, False], ids=["native_stack", "python_loop"])
+def test_a_pass_that_wants_fewer_rows_gives_those_rows_the_same_bits(make_tiny_model, isa,
+                                                                      stack):
+    """The runner asks the model for its logit rows alone, so the last layer runs o_proj and
+    the MLP on them only (no rows at all for a prompt chunk that samples nothing). With prompt
+    logprobs every row is wanted: the output tokens' logprobs must not change between the two
+    (32-token chunks, so most prompt passes want no row or one)."""
+    path, _ = make_tiny_model("llama", seed=7)
+    engine = Engine(path, dtype="bfloat16", cpu_isa=isa, quantization="int4",
+                    context_length=256, max_total_tokens=4096, chunked_prefill_size=32,
+                    disable_radix_cache=True)
+    if not stack:
+        engine.runner.model.native_stack = None
+
+    def outputs(prompt_logprobs: bool) -> list[tuple]:
+        kw = {"logprob_start_len": 0} if prompt_logprobs else {}
+        outs = engine.generate(input_ids=PROMPTS, sampling_params=SP, return_logprob=True,
+                               **kw)
+        return [(tuple(o["output_ids"]),
+                 tuple(lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]))
+                for o in outs]
+
+    assert outputs(prompt_logprobs=False) == outputs(prompt_logprobs=True)

@@ -144,13 +144,18 @@ class DecoderStack : public torch::CustomClassHolder {
   }
 
   // x [T, H] the token embeddings (the residual stream; updated in place); cos, sin [T, D];
-  // the attention metadata as sgl_cpu::attention and rope_store take it. Returns the
-  // final-normed hidden states [T, H].
+  // the attention metadata as sgl_cpu::attention and rope_store take it; out_rows: [N] int64
+  // indices of the rows wanted, or None for all. Returns the final-normed hidden states of
+  // those rows, [N, H] ([T, H] for all): the last layer stores and attends every row's K/V but
+  // runs o_proj and the MLP on the N rows alone (as server/model/llama.py's loop does).
   at::Tensor forward(at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor req_to_token,
                      at::Tensor req_rows, at::Tensor prefix_lens, at::Tensor extend_lens,
-                     at::Tensor loc) {
+                     at::Tensor loc, std::optional<at::Tensor> out_rows) {
     TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [T, H] tensor");
-    const int64_t T = x.size(0), D = head_dim_;
+    TORCH_CHECK(!out_rows || (out_rows->dim() == 1 && out_rows->scalar_type() == at::kLong),
+                "out_rows must be a [N] int64 tensor");
+    int64_t T = x.size(0);
+    const int64_t D = head_dim_;
     // each direct call is a profiler range named as its op, as when Python dispatches it
     at::Tensor h;
     {
@@ -175,6 +180,12 @@ class DecoderStack : public torch::CustomClassHolder {
                                       extend_lens, scale_, layer.window, softcap_)
                 : attention(q, k_[l], v_[l], req_to_token, req_rows, prefix_lens, extend_lens,
                             scale_, layer.window, softcap_);
+      }
+      if (out_rows && l + 1 == layers_.size()) {
+        T = out_rows->numel();
+        if (T == 0) return x.new_empty({0, x.size(1)});
+        o = o.index_select(0, *out_rows);
+        x = x.index_select(0, *out_rows);
       }
       o = layer.linears[1](o.reshape({T, -1}));
       {
