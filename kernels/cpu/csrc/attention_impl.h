@@ -43,7 +43,8 @@ namespace {
 constexpr int64_t PART = 512;  // positions per partition (one work item)
 constexpr int64_t AHEAD = CHUNK;  // positions between a K/V row's prefetch and its load (one chunk:
 // from DRAM, a 4,096-token decode on Zen 5 ran 12-14% faster than with 2 chunks, 8-16 positions
-// were too late and 128+ too early; extends unchanged)
+// were too late and 128+ too early; extends unchanged. On Zen 4, prefetching into L2
+// (prefetch_into_l2), 32 was also best: 16-24 and 48-96 slower)
 constexpr int MAX_D = 256;
 
 struct Row {          // one query token of a tile
@@ -61,7 +62,8 @@ struct Row {          // one query token of a tile
 template <typename Chunk, int NV, typename KV>
 void attend_tile(const float* const* q, const Row* rows, int nrows, int group, const KV* kbuf,
                  const KV* vbuf, int64_t row_stride, const int64_t* slots, int64_t a,
-                 int64_t e, float scale, float softcap, float* kst, float* vst, float* prs) {
+                 int64_t e, float scale, float softcap, float* kst, float* vst, float* prs,
+                 bool l2) {
   constexpr int64_t nv = NV, D = 8 * NV;
   for (int r = 0; r < nrows; ++r)
     for (int g = 0; g < group; ++g) {
@@ -79,6 +81,7 @@ void attend_tile(const float* const* q, const Row* rows, int nrows, int group, c
   ChunkRows<float> staged;
   direct.ahead_bytes = D * static_cast<int64_t>(sizeof(KV));
   staged.ahead_bytes = 0;
+  direct.ahead_l2 = staged.ahead_l2 = l2;
   const float* qs[TILE * MAX_GROUP];
   float* outs[TILE * MAX_GROUP];
   const float* valids[TILE * MAX_GROUP];
@@ -98,8 +101,8 @@ void attend_tile(const float* const* q, const Row* rows, int nrows, int group, c
       direct.ahead[j][1] = vn;
       staged.ahead[j][0] = staged.ahead[j][1] = nullptr;
       if (stage) {
-        prefetch_row(kn, direct.ahead_bytes);  // nothing when kn is nullptr (not pf)
-        prefetch_row(vn, direct.ahead_bytes);
+        prefetch_row(kn, direct.ahead_bytes, l2);  // nothing when kn is nullptr (not pf)
+        prefetch_row(vn, direct.ahead_bytes, l2);
         staged.k[j] = in ? kst + j * D : nullptr;
         staged.v[j] = in ? vst + j * D : nullptr;
         if (in)
@@ -208,6 +211,7 @@ void run(const at::Tensor& q, const at::Tensor& kbuf, const at::Tensor& vbuf,
   const KV* kp = kbuf.data_ptr<KV>();
   const KV* vp = vbuf.data_ptr<KV>();
   const int64_t row_stride = Hkv * D;
+  const bool l2 = prefetch_into_l2();
   auto work = [&](int64_t lo_i, int64_t hi_i) {  // items [lo_i, hi_i) on this thread
     std::vector<float> qs(Chunk::kPrescaled ? TILE * MAX_GROUP * D : 0), kst(CHUNK * D),
         vst(CHUNK * D);
@@ -252,7 +256,7 @@ void run(const at::Tensor& q, const at::Tensor& kbuf, const at::Tensor& vbuf,
         attend_tile<Chunk, decltype(nv)::value, KV>(qrows, rows, nrows, group, kp + it.head * D,
                                              vp + it.head * D, row_stride,
                                              table + seq_rows[it.seq] * L, a, e, scale, softcap,
-                                             kst.data(), vst.data(), prs.data());
+                                             kst.data(), vst.data(), prs.data(), l2);
       };
       switch (D / 8) {  // head_dim 8 .. 256 in steps of 8
 #define SGL_NV(n) case n: call(std::integral_constant<int, n>{}); break;
