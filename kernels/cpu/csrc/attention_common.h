@@ -3,9 +3,9 @@
 // sizes and the K/V rows of one chunk.
 #pragma once
 
-#include <cpuid.h>
 #include <immintrin.h>
 
+#include "prefetch.h"
 #include "vec.h"
 
 #include <algorithm>
@@ -49,35 +49,13 @@ inline float hmax(__m256 v) {
   return _mm_cvtss_f32(m);
 }
 
-// Whether K/V rows are prefetched into L2 (prefetcht1) rather than L1 (prefetcht0): on AMD
-// family 19h (Zen 3 / Zen 4). Measured on a 2-core Zen 4 (benchmarks.cpu_attention --layers 30,
-// DRAM-resident bf16 K/V, shuffled slots): a 16 x (512 + 1) decode 0.58 -> 0.28 ms a layer,
-// 1 x (4096 + 1) 0.29 -> 0.13, extends unchanged or faster; into L1 the misses in flight
-// stalled on the L1's miss buffers. On Zen 5 (family 1Ah) L1 measured faster (README, "Engine"),
-// and nothing was measured elsewhere, so L1 stays the default. A hint never changes a result.
-inline bool prefetch_into_l2() {
-  static const bool l2 = [] {
-    unsigned a, b, c, d;
-    if (!__get_cpuid(0, &a, &b, &c, &d) || b != 0x68747541u)  // "Auth"enticAMD
-      return false;
-    if (!__get_cpuid(1, &a, &b, &c, &d)) return false;
-    unsigned family = (a >> 8) & 0xF;
-    if (family == 0xF) family += (a >> 20) & 0xFF;
-    return family == 0x19;
-  }();
-  return l2;
-}
-
 // Rows of one chunk: for each of its CHUNK positions, the K and V rows (float32 or bfloat16,
 // [D] each), or nullptr for positions outside [a, e) (their scores are masked, they add nothing).
 // Prefetch `bytes` from p, a cache line at a time (nothing when p is nullptr), into L2 (l2, see
 // prefetch_into_l2: the caller reads it once a call) or L1.
 inline __attribute__((always_inline)) void prefetch_row(const char* p, int64_t bytes, bool l2) {
-  if (p == nullptr) return;
-  if (l2)
-    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
-  else
-    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+  if (p != nullptr)
+    for (int64_t b = 0; b < bytes; b += 64) prefetch_line(p + b, l2);
 }
 
 template <typename T>

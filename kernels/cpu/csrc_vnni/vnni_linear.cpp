@@ -39,6 +39,7 @@
 #include <torch/library.h>
 
 #include "../csrc/linear_inputs.h"
+#include "../csrc/prefetch.h"
 #include "vec512.h"
 
 #include <algorithm>
@@ -55,7 +56,8 @@ constexpr int64_t Q4_BLOCK = 320;   // bytes per (tile, block), int4
 constexpr int64_t Q8_BLOCK = 512;   // bytes per (tile, block), int8
 constexpr int64_t MAX_MT = 6;       // activation rows per register tile
 constexpr int64_t MB = 66;          // activation rows per cache block (a multiple of MAX_MT)
-constexpr int64_t PREFETCH = 4;     // weight blocks prefetched ahead of the one computed
+constexpr int64_t PREFETCH = 4;     // weight blocks prefetched ahead of the one computed (into
+                                    // L1 or L2: ../csrc/prefetch.h)
 
 using sgl_cpu::lanes;
 using sgl_cpu::load16;
@@ -120,7 +122,7 @@ QuantizedRows quantize_rows(const T* x, int64_t M, int64_t K) {
 template <int NT, int MT, bool SILU, typename T>
 inline void q4_tile(const uint8_t* const (&w)[NT], int64_t G, const int8_t* qx,
                     const float* dx, const float* cx, int64_t K, T* y, int64_t ldy,
-                    int64_t n_valid) {
+                    int64_t n_valid, bool l2) {
   __m512 facc[NT][MT];
   for (int i = 0; i < NT; ++i)
     for (int r = 0; r < MT; ++r) facc[i][r] = _mm512_setzero_ps();
@@ -134,8 +136,7 @@ inline void q4_tile(const uint8_t* const (&w)[NT], int64_t G, const int8_t* qx,
     if (g + PREFETCH < G)  // the NT weight streams, PREFETCH blocks ahead
       for (int i = 0; i < NT; ++i)
         for (int line = 0; line < Q4_BLOCK; line += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(w[i] + (g + PREFETCH) * Q4_BLOCK + line),
-                       _MM_HINT_T0);
+          sgl_cpu::prefetch_line(w[i] + (g + PREFETCH) * Q4_BLOCK + line, l2);
     for (int c = 0; c < 4; ++c) {
       __m512i lo[NT], hi[NT];
       for (int i = 0; i < NT; ++i) {
@@ -183,7 +184,7 @@ inline void q4_tile(const uint8_t* const (&w)[NT], int64_t G, const int8_t* qx,
 template <int NT, int MT, typename T>
 inline void q8_tile(const uint8_t* w, int64_t tile_bytes, int64_t G, const int8_t* qx,
                     const float* dx, const int32_t* sx, int64_t K, const float* scale, T* y,
-                    int64_t ldy, int64_t n_valid) {
+                    int64_t ldy, int64_t n_valid, bool l2) {
   __m512 facc[NT][MT];
   for (int i = 0; i < NT; ++i)
     for (int r = 0; r < MT; ++r) facc[i][r] = _mm512_setzero_ps();
@@ -194,8 +195,7 @@ inline void q8_tile(const uint8_t* w, int64_t tile_bytes, int64_t G, const int8_
     if (g + PREFETCH < G)
       for (int i = 0; i < NT; ++i)
         for (int line = 0; line < Q8_BLOCK; line += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(w + i * tile_bytes + (g + PREFETCH) * Q8_BLOCK + line),
-                       _MM_HINT_T0);
+          sgl_cpu::prefetch_line(w + i * tile_bytes + (g + PREFETCH) * Q8_BLOCK + line, l2);
     for (int c = 0; c < 8; c += 2) {
       __m512i u0[NT], u1[NT];
       for (int i = 0; i < NT; ++i) {
@@ -363,12 +363,13 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N)
   sgl_cpu::check_x(x, K, QK);
   check_packed(packed, N, tile_bytes, "pack_int4");
   const uint8_t* w = packed.data_ptr<uint8_t>();
+  const bool l2 = sgl_cpu::prefetch_into_l2();
   return run_linear(x, N, 4, 2, [&]<int NT, int MT, typename T>(int64_t t, int64_t m0,
                                                                  const QuantizedRows& q, T* y) {
     const uint8_t* tiles[NT];
     for (int i = 0; i < NT; ++i) tiles[i] = w + (t + i) * tile_bytes;
     q4_tile<NT, MT, false, T>(tiles, G, q.qx + m0 * K, q.dx + m0 * G, q.cx + m0 * G, K, y, N,
-                              N - t * TILE);
+                              N - t * TILE, l2);
   });
 }
 
@@ -384,6 +385,7 @@ at::Tensor int4_linear_silu(const at::Tensor& x, const at::Tensor& packed, int64
   check_packed(packed, N, tile_bytes, "pack_int4");
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const int64_t up = I / TILE;  // the first up tile
+  const bool l2 = sgl_cpu::prefetch_into_l2();
   return run_linear(x, I, 2, 1, [&]<int NP, int MT, typename T>(int64_t p, int64_t m0,
                                                                 const QuantizedRows& q, T* y) {
     // groups of 2 pairs (one row) or 1: with_tile also instantiates NP = 4, never called
@@ -394,7 +396,7 @@ at::Tensor int4_linear_silu(const at::Tensor& x, const at::Tensor& packed, int64
         tiles[2 * j + 1] = w + (up + p + j) * tile_bytes;
       }
       q4_tile<2 * NP, MT, true, T>(tiles, G, q.qx + m0 * K, q.dx + m0 * G, q.cx + m0 * G, K,
-                                   y, I, I - p * TILE);
+                                   y, I, I - p * TILE, l2);
     }
   });
 }
@@ -409,10 +411,11 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   check_packed(packed, N, tile_bytes, "pack_int8");
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const float* sp = scale.data_ptr<float>();
+  const bool l2 = sgl_cpu::prefetch_into_l2();
   return run_linear(x, N, 4, 2, [&]<int NT, int MT, typename T>(int64_t t, int64_t m0,
                                                                  const QuantizedRows& q, T* y) {
     q8_tile<NT, MT, T>(w + t * tile_bytes, tile_bytes, G, q.qx + m0 * K, q.dx + m0 * G,
-                       q.sx + m0 * G, K, sp + t * TILE, y, N, N - t * TILE);
+                       q.sx + m0 * G, K, sp + t * TILE, y, N, N - t * TILE, l2);
   });
 }
 
