@@ -315,6 +315,17 @@ def _kept_ranked(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch
         1, ids, probs.masked_fill(drop, 0.0))
 
 
+def argmax_decides(st: SamplingState) -> bool:
+    """Whether ``st``'s sample is its row's raw argmax whenever its grammar (if any) allows
+    that token: greedy, and no processor but the grammar changes its logits (set
+    ``st.banned_ids`` first). :meth:`Sampler.apply_processors`' greedy shortcut then leaves the
+    row unmasked, so the sampler returns that argmax."""
+    p = st.params
+    return p.is_greedy and not (p.logit_bias or p.repetition_penalty != 1.0 or st.banned_ids
+                                or (st.output_ids and (p.frequency_penalty
+                                                       or p.presence_penalty)))
+
+
 def _has_processors(st: SamplingState) -> bool:
     """Whether :meth:`Sampler.apply_processors` would change ``st``'s row of the logits."""
     p = st.params

@@ -50,7 +50,13 @@ from server.scheduler.admission import StepSharing, WaitingOrder
 from server.scheduler.batches import Plan, build_decode, build_extend
 from server.scheduler.draft_cost import DraftGate
 from server.scheduler.metrics import SchedulerStats, snapshot
-from server.scheduler.outputs import TokenDelta, record_input_logprobs, sample_and_append, set_draft
+from server.scheduler.outputs import (
+    TokenDelta,
+    record_input_logprobs,
+    sample_and_append,
+    set_draft,
+    verify_draft,
+)
 from server.scheduler.request import FinishReason, Req, ReqStatus
 from server.scheduler.validation import InvalidRequestError, validate_request
 
@@ -284,7 +290,7 @@ class Scheduler:
         deltas: list[TokenDelta] = []
         row = 0
         for req, positions, n in zip(plan.reqs, plan.logit_positions, batch.extend_lens):
-            rows = list(range(row, row + len(positions)))
+            rows = range(row, row + len(positions))
             row += len(positions)
             if req.finished or not self.cache.holds(req.rid):
                 continue  # aborted or retracted while in flight
@@ -336,19 +342,12 @@ class Scheduler:
                 + sum(1 + len(r.draft) for r in self.prefilling if r.draft and r is not req))
         return self.draft_gate.pays(req.draft_source, max(rows, 1), len(req.draft))
 
-    def _verify_draft(self, req: Req, rows: list[int], logits: torch.Tensor) -> TokenDelta:
+    def _verify_draft(self, req: Req, rows: range, logits: torch.Tensor) -> TokenDelta:
         """Sample each draft position as plain decoding would; keep drafts while they match
         (see :mod:`server.constrained.jump_forward`). Frees the KV of rejected drafts."""
+        produced, reason = verify_draft(self.sampler, req, rows, logits, self.context_len)
         drafts, req.draft, source = req.draft, [], req.draft_source
-        produced: list[int] = []
-        reason = None
-        for i, row in enumerate(rows):  # the next draft is made once, after the last token
-            (_, tok, reason), = sample_and_append(self.sampler, [(req, row)], logits,
-                                                  self.context_len)
-            produced.append(tok)
-            if reason is not None or i >= len(drafts) or tok != drafts[i]:
-                break
-        if reason is None:
+        if reason is None:  # the next draft is made once, after the last token
             set_draft(req, produced[-1], self.context_len, self.jump_forward_tokenizer,
                       self.ngram_tokens)
         req.computed_len = req.fill_len - 1  # the last token's KV is computed next pass

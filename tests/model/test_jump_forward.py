@@ -45,6 +45,9 @@ def engines(make_tiny_model):
     {"regex": REGEX, "temperature": 0.0},
     {"regex": REGEX, "temperature": 0.9, "seed": 8, "top_p": 0.9, "frequency_penalty": 0.3},
     {"choices": ["the first answer", "the second answer", "no"], "temperature": 1.0, "seed": 1},
+    # greedy with a processor beside the grammar: verify rows go through the sampler one by
+    # one (a greedy row whose logits only its grammar changes takes a batched argmax instead)
+    {"json_schema": SCHEMA, "temperature": 0.0, "logit_bias": {"90": 3.0, "12": -2.0}},
 ])
 def test_on_and_off_are_identical(engines, params):
     prompts = [engines[0].encode(f"Item {i}:") for i in range(8)]
@@ -63,6 +66,19 @@ def test_on_and_off_are_identical(engines, params):
     for e in engines:
         e.scheduler.check_invariants()
         assert e.metrics()["kv_usage"] == 0.0
+
+
+def test_greedy_verify_rows_give_the_logprobs_of_one_token_steps(engines):
+    """Greedy verify rows with logprobs asked take the sampler path (it returns them), without
+    the batched argmax: tokens and logprobs equal jump-forward off's."""
+    prompts = [engines[0].encode(f"Item {i}:") for i in range(4)]
+    sp = {"max_new_tokens": 60, "json_schema": SCHEMA, "temperature": 0.0}
+    off, on = (e.generate(input_ids=prompts, sampling_params=sp, return_logprob=True,
+                          top_logprobs_num=2) for e in engines)
+    assert [o["meta_info"]["output_token_logprobs"] for o in on] == \
+        [o["meta_info"]["output_token_logprobs"] for o in off]
+    assert [o["meta_info"]["output_top_logprobs"] for o in on] == \
+        [o["meta_info"]["output_top_logprobs"] for o in off]
 
 
 def test_forced_runs_take_fewer_forward_passes(make_tiny_model):
