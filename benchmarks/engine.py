@@ -285,7 +285,10 @@ def main() -> None:
                         quantization=args.quantization,
                         max_total_tokens=max(32768, top * (128 + args.new_tokens + 8)),
                         max_running_requests=max(128, top), disable_cuda_graph=graph == "off",
-                        speculative_ngram=0)  # one token per decode step: the step rate
+                        # one token per decode step, and every prompt prefilled before the
+                        # first decode (mixed chunks would decode, and finish, the first
+                        # prompts while later ones still extend): the step rate at batch b
+                        speculative_ngram=0, mixed_chunk=False)
         long_prompts = make_prompts(engine, texts[:8], 512)
         short = make_prompts(engine, texts, 128, top)
         # warm-up: a short and a long prefill and decode (kernels compile on first use)
