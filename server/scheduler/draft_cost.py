@@ -1,39 +1,52 @@
-"""Whether a draft pays: forward-pass costs measured by row count, and each draft source's
+"""How much of a draft pays: forward-pass costs measured by row count, and each draft source's
 measured acceptance.
 
 A draft of k tokens (jump-forward's forced tokens, or a prompt-lookup n-gram) turns its
 request's next one-row decode into a verify pass of 1 + k rows. Where every row is computed as a
-one-token step would be (the batch-invariant CPU path), the outputs are the same either way, so
-the choice is cost alone. A pass of ``rows`` rows that would produce ``rows`` tokens produces
-``rows + a`` with the draft (``a`` = expected accepted tokens = acceptance x k) at cost
-``c(rows + k)`` instead of ``c(rows)``; the draft is kept when
+one-token step would be (the batch-invariant CPU path), the outputs are the same either way, and
+so are they for any prefix of the draft: the choice is cost alone. A pass of ``rows`` rows that
+would produce ``rows`` tokens produces ``rows + a(j)`` with the first j draft tokens at cost
+``c(rows + j)`` instead of ``c(rows)``; the gate keeps the j (0 .. k) that maximizes the pass's
+tokens per second,
 
-    (rows + a) / c(rows + k) > rows / c(rows)
+    (rows + a(j)) / c(rows + j),   j = 0: rows / c(rows).
 
-i.e. when it raises the pass's tokens per second. ``c`` is an exponential moving average of
-measured pass seconds per row count (:class:`PassCosts`), interpolated linearly between the
-measured counts and extrapolated from the two nearest beyond them (with many streams the row
-counts of passes with drafts rarely repeat). While a cost is unknown, or the two contradict
-each other (a wider pass measured no dearer than a narrower one), the gate decides so that the
-pass measures the one in doubt: the draft is kept while ``c(rows + k)`` is unknown and refused
-while ``c(rows)`` is unknown or not below ``c(rows + k)``. (A request alone whose first, one-row
-pass was its prompt's, 184 ms, never ran a one-row pass again: every draft looked free, and each
-step verified 32 forced tokens of which ~1 in 2,000 was accepted, 110 ms per token instead of
-20.) One refused draft in ``EXPLORE_EVERY`` is kept anyway so a cost measured on a slow pass (a
-warm-up, a noisy neighbour) is measured again.
+``a(j)`` is the expected number of accepted tokens of a j-token draft when each token is
+accepted with probability ``p`` given the ones before it were (Leviathan et al. 2023, "Fast
+Inference from Transformers via Speculative Decoding", §3.1: the i.i.d. acceptance rate):
+``a(j) = p (1 - p^j) / (1 - p)``; ``p`` is measured per source as accepted tokens over accepted
+tokens plus the drafts a rejection cut short. Where wide passes are dear (a 2-core Zen 4: 1 + 8
+rows cost 1.8x one row, 1 + 4 rows 1.2x) the gate verifies the first few tokens of a prompt-lookup
+draft, whose later tokens are rarely accepted; forced tokens (p near 1) are verified whole.
+
+``c`` is an exponential moving average of measured pass seconds per row count (:class:`PassCosts`),
+interpolated linearly between the measured counts and extrapolated from the two nearest beyond
+them (with many streams the row counts of passes with drafts rarely repeat). While a cost is
+unknown, or the two contradict each other (a wider pass measured no dearer than a narrower one),
+the gate decides so that the pass measures the one in doubt: the whole draft is kept while
+``c(rows + k)`` is unknown and refused while ``c(rows)`` is unknown or not below ``c(rows + k)``.
+(A request alone whose first, one-row pass was its prompt's, 184 ms, never ran a one-row pass
+again: every draft looked free, and each step verified 32 forced tokens of which ~1 in 2,000 was
+accepted, 110 ms per token instead of 20.) One refused or shortened draft in ``EXPLORE_EVERY`` is
+kept whole anyway, so a cost measured on a slow pass (a warm-up, a noisy neighbour) is measured
+again.
 
 The rule is SGLang's compressed-FSM jump-forward (Zheng et al. 2024, §4) and prompt-lookup
 decoding (Saxena 2023) decided per request from measured costs; the criterion is speculative
-decoding's expected walltime improvement (Leviathan et al. 2023, "Fast Inference from
-Transformers via Speculative Decoding") with measured instead of modelled pass costs.
+decoding's expected walltime improvement (Leviathan et al. 2023) with measured instead of
+modelled pass costs.
 """
 
 from __future__ import annotations
 
 import bisect
 
-EXPLORE_EVERY = 16  # refused drafts between two kept anyway (re-measuring the wider pass)
-PRIOR = (4.0, 2.0)  # (proposed, accepted) a draft source starts with: acceptance 0.5
+EXPLORE_EVERY = 16  # refused or shortened drafts between two kept whole (re-measuring it)
+# (accepted tokens, drafts cut short) a draft source starts with. Forced tokens are refused
+# only where the model prefers another tokenization of the forced text: p = 0.9, worth 10
+# tokens; prompt-lookup n-grams: p = 0.5, worth 4.
+PRIORS = {"jump_forward": (9.0, 1.0)}
+PRIOR = (2.0, 2.0)
 
 
 class PassCosts:
@@ -73,41 +86,55 @@ class PassCosts:
 
 
 class DraftGate:
-    """Keeps a draft when it raises the pass's tokens per second (module docstring)."""
+    """Keeps the prefix of a draft that raises the pass's tokens per second the most (module
+    docstring)."""
 
     def __init__(self, costs: PassCosts | None = None):
         self.costs = costs or PassCosts()
         self._counts: dict[str, list[float]] = {}
-        self._refused = 0
+        self._short = 0
         self.kept = 0
         self.dropped = 0
 
-    def acceptance(self, source: str) -> float:
-        """Share of the drafted tokens from ``source`` ("jump_forward", "ngram") accepted so
-        far, starting from a prior of 0.5 worth 4 tokens."""
-        proposed, accepted = self._counts.get(source, PRIOR)
-        return accepted / proposed
+    def continuation(self, source: str) -> float:
+        """p: the measured chance that a draft token from ``source`` ("jump_forward",
+        "ngram") is accepted given that the ones before it were, from the source's prior."""
+        accepted, cut = self._counts.get(source, PRIORS.get(source, PRIOR))
+        return accepted / (accepted + cut)
 
     def observe(self, source: str, proposed: int, accepted: int) -> None:
-        """A verify pass checked ``proposed`` tokens of ``source``; ``accepted`` were kept."""
-        counts = self._counts.setdefault(source, list(PRIOR))
-        counts[0] += proposed
-        counts[1] += accepted
+        """A verify pass checked ``proposed`` tokens of ``source``; the first ``accepted``
+        were kept."""
+        counts = self._counts.setdefault(source, list(PRIORS.get(source, PRIOR)))
+        counts[0] += accepted
+        counts[1] += accepted < proposed
 
-    def pays(self, source: str, rows: int, k: int) -> bool:
-        """Whether a ``k``-token draft from ``source`` should join a pass that would otherwise
-        run ``rows`` rows (``rows`` >= 1, counting the drafting request's own row)."""
+    @staticmethod
+    def expected_accepted(p: float, j: int) -> float:
+        """Expected accepted tokens of a ``j``-token draft at per-token acceptance ``p``."""
+        return float(j) if p >= 1.0 else p * (1.0 - p ** j) / (1.0 - p)
+
+    def length(self, source: str, rows: int, k: int) -> int:
+        """How many of a ``k``-token draft from ``source`` should join a pass that would
+        otherwise run ``rows`` rows (``rows`` >= 1, counting the drafting request's own row):
+        0 (refused) .. k."""
         base, wide = self.costs.cost(rows), self.costs.cost(rows + k)
-        keep = wide is None  # kept: this pass measures c(rows + k); refused: c(rows)
-        if base is not None and wide is not None:
-            expected = self.acceptance(source) * k
-            # base >= wide contradicts itself: refused, so the pass re-measures c(rows)
-            keep = base < wide and (rows + expected) * base > rows * wide
-            if not keep:
-                self._refused += 1
-                keep = self._refused % EXPLORE_EVERY == 0
-        if keep:
+        if wide is None:  # this pass measures c(rows + k)
+            best = k
+        else:
+            best = 0  # refused while c(rows) is unknown or contradicts c(rows + k): measured
+            if base is not None and base < wide:
+                p, rate = self.continuation(source), rows / base
+                for j in range(1, k + 1):
+                    r = (rows + self.expected_accepted(p, j)) / self.costs.cost(rows + j)
+                    if r > rate:
+                        best, rate = j, r
+            if best < k:
+                self._short += 1
+                if self._short % EXPLORE_EVERY == 0:
+                    best = k
+        if best:
             self.kept += 1
         else:
             self.dropped += 1
-        return keep
+        return best

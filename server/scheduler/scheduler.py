@@ -321,8 +321,8 @@ class Scheduler:
                 if reason is not None:
                     deltas.append(self._finish(req, reason, [tok]))
                     continue
-                if req.draft and not self._draft_pays(req):
-                    req.draft = []  # the grammar state was restored when the draft was made
+                if req.draft:  # the grammar state was restored when the draft was made
+                    req.draft = req.draft[:self._draft_length(req)]
                 if req.draft:  # forced tokens: verify them all in one extend pass
                     self.running.remove(req)
                     req.status = ReqStatus.PREFILLING
@@ -334,13 +334,13 @@ class Scheduler:
             self._pass = None
         return deltas
 
-    def _draft_pays(self, req: Req) -> bool:
-        """Whether ``req``'s fresh draft should be verified next pass (:mod:`draft_cost`): the
-        pass would otherwise run the running requests' one-token rows and the verify rows of
-        the drafts already kept."""
+    def _draft_length(self, req: Req) -> int:
+        """How many tokens of ``req``'s fresh draft to verify next pass (:mod:`draft_cost`):
+        the pass would otherwise run the running requests' one-token rows and the verify rows
+        of the drafts already kept."""
         rows = (len(self.running) + (req not in self.running)
                 + sum(1 + len(r.draft) for r in self.prefilling if r.draft and r is not req))
-        return self.draft_gate.pays(req.draft_source, max(rows, 1), len(req.draft))
+        return self.draft_gate.length(req.draft_source, max(rows, 1), len(req.draft))
 
     def _verify_draft(self, req: Req, rows: range, logits: torch.Tensor) -> TokenDelta:
         """Sample each draft position as plain decoding would; keep drafts while they match
@@ -362,8 +362,8 @@ class Scheduler:
         if reason is not None:
             req.draft = []
             return self._finish(req, reason, produced)
-        if req.draft and not self._draft_pays(req):
-            req.draft = []
+        if req.draft:
+            req.draft = req.draft[:self._draft_length(req)]
         if not req.draft:
             self.prefilling.remove(req)
             req.status = ReqStatus.RUNNING

@@ -105,7 +105,7 @@ def test_drafts_are_dropped_where_measured_costs_say_the_verify_pass_loses(make_
     # times it measures, and on a loaded machine it refused enough drafts to take more passes
     # than the gated engine: CI, 52 vs 50.) The gated engine's decisions do not depend on
     # timing: its recorded wide passes stay far dearer than any measured one-row pass.
-    monkeypatch.setattr(on.scheduler.draft_gate, "pays", lambda source, rows, k: True)
+    monkeypatch.setattr(on.scheduler.draft_gate, "length", lambda source, rows, k: k)
     gated = _pair(path)[1]
     gated.scheduler.draft_gate.costs.record(1, 1e-6)  # one request: decodes are 1-row passes
     for rows in range(2, 300):
