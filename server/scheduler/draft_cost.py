@@ -13,7 +13,8 @@ tokens per second,
 
 ``a(j)`` is the expected number of accepted tokens of a j-token draft when each token is
 accepted with probability ``p`` given the ones before it were (Leviathan et al. 2023, "Fast
-Inference from Transformers via Speculative Decoding", §3.1: the i.i.d. acceptance rate):
+Inference from Transformers via Speculative Decoding": acceptances i.i.d. at rate alpha, a run
+of gamma drafts yields (1 - alpha^(gamma + 1)) / (1 - alpha) tokens, the sampled one included):
 ``a(j) = p (1 - p^j) / (1 - p)``; ``p`` is measured per source as accepted tokens over accepted
 tokens plus the drafts a rejection cut short. Where wide passes are dear (a 2-core Zen 4: 1 + 8
 rows cost 1.8x one row, 1 + 4 rows 1.2x) the gate verifies the first few tokens of a prompt-lookup
