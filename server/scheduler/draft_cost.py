@@ -110,11 +110,6 @@ class DraftGate:
         counts[0] += accepted
         counts[1] += accepted < proposed
 
-    @staticmethod
-    def expected_accepted(p: float, j: int) -> float:
-        """Expected accepted tokens of a ``j``-token draft at per-token acceptance ``p``."""
-        return float(j) if p >= 1.0 else p * (1.0 - p ** j) / (1.0 - p)
-
     def length(self, source: str, rows: int, k: int) -> int:
         """How many of a ``k``-token draft from ``source`` should join a pass that would
         otherwise run ``rows`` rows (``rows`` >= 1, counting the drafting request's own row):
@@ -126,8 +121,11 @@ class DraftGate:
             best = 0  # refused while c(rows) is unknown or contradicts c(rows + k): measured
             if base is not None and base < wide:
                 p, rate = self.continuation(source), rows / base
+                term, expected = 1.0, 0.0  # p^j and a(j) = p + ... + p^j
                 for j in range(1, k + 1):
-                    r = (rows + self.expected_accepted(p, j)) / self.costs.cost(rows + j)
+                    term *= p
+                    expected += term
+                    r = (rows + expected) / self.costs.cost(rows + j)
                     if r > rate:
                         best, rate = j, r
             if best < k:

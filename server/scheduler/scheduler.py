@@ -321,8 +321,7 @@ class Scheduler:
                 if reason is not None:
                     deltas.append(self._finish(req, reason, [tok]))
                     continue
-                if req.draft:  # the grammar state was restored when the draft was made
-                    req.draft = req.draft[:self._draft_length(req)]
+                self._trim_draft(req)  # the grammar state was restored when it was made
                 if req.draft:  # forced tokens: verify them all in one extend pass
                     self.running.remove(req)
                     req.status = ReqStatus.PREFILLING
@@ -334,13 +333,16 @@ class Scheduler:
             self._pass = None
         return deltas
 
-    def _draft_length(self, req: Req) -> int:
-        """How many tokens of ``req``'s fresh draft to verify next pass (:mod:`draft_cost`):
-        the pass would otherwise run the running requests' one-token rows and the verify rows
-        of the drafts already kept."""
+    def _trim_draft(self, req: Req) -> None:
+        """Cut ``req``'s fresh draft to the tokens worth verifying next pass
+        (:mod:`draft_cost`; none: it decodes one token): the pass would otherwise run the
+        running requests' one-token rows and the verify rows of the drafts already kept."""
+        if not req.draft:
+            return
         rows = (len(self.running) + (req not in self.running)
                 + sum(1 + len(r.draft) for r in self.prefilling if r.draft and r is not req))
-        return self.draft_gate.length(req.draft_source, max(rows, 1), len(req.draft))
+        req.draft = req.draft[:self.draft_gate.length(req.draft_source, max(rows, 1),
+                                                      len(req.draft))]
 
     def _verify_draft(self, req: Req, rows: range, logits: torch.Tensor) -> TokenDelta:
         """Sample each draft position as plain decoding would; keep drafts while they match
@@ -362,8 +364,7 @@ class Scheduler:
         if reason is not None:
             req.draft = []
             return self._finish(req, reason, produced)
-        if req.draft:
-            req.draft = req.draft[:self._draft_length(req)]
+        self._trim_draft(req)
         if not req.draft:
             self.prefilling.remove(req)
             req.status = ReqStatus.RUNNING

@@ -30,12 +30,6 @@ def test_unmeasured_row_counts_are_interpolated_and_extrapolated():
     assert c.cost(20) == 0.015  # a falling slope is not extrapolated below the last point
 
 
-def test_expected_accepted_tokens_follow_the_iid_acceptance_model():
-    assert DraftGate.expected_accepted(0.5, 3) == pytest.approx(0.875)  # 1/2 + 1/4 + 1/8
-    assert DraftGate.expected_accepted(1.0, 5) == 5.0
-    assert DraftGate.expected_accepted(0.0, 8) == 0.0
-
-
 def test_acceptance_is_measured_per_token_from_where_drafts_were_cut():
     gate = DraftGate()
     assert gate.continuation("ngram") == 0.5  # the prior
