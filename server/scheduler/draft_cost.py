@@ -70,7 +70,8 @@ class PassCosts:
     def cost(self, rows: int) -> float | None:
         """The seconds of a ``rows``-row pass: the average of its measurements, else linear
         in rows between the nearest measured counts on either side, else extrapolated from the
-        two nearest on one side (never below the nearest measured cost beneath it); None while
+        two nearest on one side (never below the nearest measured cost beneath it, and below the
+        smallest measured count never below its cost's share by rows, so always > 0); None while
         fewer than two row counts are measured and ``rows`` is not one of them."""
         if rows in self._seconds:
             return self._seconds[rows]
@@ -82,8 +83,12 @@ class PassCosts:
         r0, r1 = counts[i - 1], counts[i]
         c0, c1 = self._seconds[r0], self._seconds[r1]
         estimate = c0 + (c1 - c0) * (rows - r0) / (r1 - r0)
-        floor = self._seconds[counts[j - 1]] if j > 0 else 0.0
-        return max(estimate, floor)
+        if j > 0:  # never below the measured cost beneath it
+            return max(estimate, self._seconds[counts[j - 1]])
+        # Below every measured count a steep slope extrapolates to zero or less (measured 8
+        # and 16 rows, asked 1); a pass costs at least its share by rows of the smallest
+        # measured one (true of any cost a + b * rows with a >= 0).
+        return max(estimate, c0 * rows / r0)
 
 
 class DraftGate:

@@ -30,6 +30,18 @@ def test_unmeasured_row_counts_are_interpolated_and_extrapolated():
     assert c.cost(20) == 0.015  # a falling slope is not extrapolated below the last point
 
 
+def test_a_steep_slope_never_extrapolates_a_free_pass_below_the_measured_counts():
+    # Measured in CI: a verify pass of 16 rows, then 23; the slope from those reached zero at
+    # 8 rows and the gate divided by that cost.
+    c = PassCosts()
+    c.record(16, 0.008)
+    c.record(23, 0.022)
+    assert c.cost(8) == pytest.approx(0.004)  # half of 16 rows' cost, not -0.008
+    assert c.cost(1) > 0
+    gate = DraftGate(c)
+    assert 0 <= gate.length("jump_forward", 8, 15) <= 15
+
+
 def test_acceptance_is_measured_per_token_from_where_drafts_were_cut():
     gate = DraftGate()
     assert gate.continuation("ngram") == 0.5  # the prior
