@@ -6,11 +6,10 @@ runner receives a backend object and never branches on the device itself.
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import torch
 
-from kernels.base import AttentionBackend, AttentionInputs
+from kernels.base import AttentionBackend, AttentionInputs, triton_interpret
 from kernels.cpu_features import at_least, cpu_flags, isa_from_flags, native_bf16
 from kernels.reference import ReferenceAttention
 
@@ -24,11 +23,6 @@ def cpu_has_native_bf16(cpuinfo_path: str = "/proc/cpuinfo") -> bool:
     """True when the CPU (as ``cpuinfo_path`` describes it) has bf16 dot products
     (AVX512-BF16 or AMX; :func:`kernels.cpu_features.native_bf16`)."""
     return native_bf16(isa_from_flags(cpu_flags(cpuinfo_path)))
-
-
-def triton_interpret() -> bool:
-    """True when Triton kernels run in its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def unavailable_reason(name: str, device: torch.device, dtype: torch.dtype | None = None,

@@ -10,10 +10,17 @@ This package never imports ``server``: everything crosses as plain tensors and l
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+
+def triton_interpret() -> bool:
+    """True when Triton kernels run in its CPU interpreter (``TRITON_INTERPRET=1``): here, so
+    the Triton kernels read it without importing their parent package back."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @dataclass

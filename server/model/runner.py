@@ -22,7 +22,7 @@ from server.model.llama import LlamaForCausalLM
 from server.model.loader import LoadedModel
 from server.model.native_stack import build_native_stack
 from server.model.parallel import TPGroup
-from server.model.tp_worker import TensorParallelError, send_batch
+from server.model.tp_group import TensorParallelError, send_batch
 
 
 class ModelRunner:

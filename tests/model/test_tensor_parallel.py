@@ -17,7 +17,7 @@ from server.config import ConfigError, EngineConfig
 from server.engine import Engine
 from server.model.config import ArchConfig, UnsupportedModelError
 from server.model.parallel import TPShard
-from server.model.tp_worker import free_init_addr
+from server.model.tp_group import free_init_addr
 from tests.live_server import REPO_ROOT
 
 SP = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
