@@ -209,11 +209,6 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
 
-    @property
-    def has_penalties(self) -> bool:
-        return (self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
-                or self.repetition_penalty != 1.0)
-
     def validate_for_vocab(self, vocab_size: int) -> None:
         """Check token ids against the model's vocabulary. Raises SamplingParamsError."""
         for tok, _ in self.logit_bias:

@@ -280,12 +280,6 @@ class RadixCache:
         values = [n.value for n in self._nodes()]
         return torch.cat(values) if values else _EMPTY
 
-    def sum_edge_lengths(self) -> int:
-        """Tokens the tree stores; for a tree holding a whole batch this is the minimum number
-        of tokens that must be computed (SGLang paper Theorem 3.1's optimal hit rate is
-        1 - this / total tokens)."""
-        return self.total_size
-
     def pretty_print(self) -> str:
         """One line per node: indentation = depth, then tokens (first 8), length, lock, time."""
         lines = []

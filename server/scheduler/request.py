@@ -108,11 +108,6 @@ class Req:
         return len(self.input_ids) + len(self.output_ids)
 
     @property
-    def uncomputed_len(self) -> int:
-        """Tokens of fill_ids whose KV is not yet in the pool."""
-        return self.fill_len - self.computed_len
-
-    @property
     def finished(self) -> bool:
         return self.status is ReqStatus.FINISHED
 
