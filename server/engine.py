@@ -61,7 +61,7 @@ Prompt = str | Sequence[int]
 # Extend passes of at least this many tokens run quantized linears on a dense bf16 copy where
 # the CPU has bf16 dot products and the linear kernel is the AVX2 one (measured break-even ~32
 # rows; see QuantLinear), or the CPU has AMX tiles. The AVX-512 VNNI kernel was faster than
-# oneDNN's dense bf16 matmul at every row count on an AVX512-BF16 CPU (README, "Native CPU
+# oneDNN's dense bf16 matmul at every row count on an AVX512-BF16 CPU (docs/benchmarks.md, "Native CPU
 # linear layers"); AMX's bf16 tiles were not measured against it.
 DENSE_PREFILL_ROWS = 64
 

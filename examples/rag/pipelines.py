@@ -6,8 +6,8 @@ answer never costs the others theirs.
 With ``grounded`` a span answer is constrained to a contiguous word span (at most MAX_WORDS
 words) of one retrieved passage (grounded extraction: ``substring_of`` in the language,
 ``copied_from`` in DSPy, ``bind(substring_of=...)`` in LangChain); without, it is free text.
-On the 135M default model grounding lowers span F1 (it picks sentence openings; see the
-README), so the main job leaves it off unless asked.
+On the 135M default model grounding lowers span F1 (it picks sentence openings; see
+docs/adapters.md), so the main job leaves it off unless asked.
 * ``sgl``: the native language. All k passages and the question form one prompt; the state
   forks k ways (the prompt is prefilled once and shared), each branch notes what its passage
   says, and the parent merges the notes and answers (``select`` yes/no, or a short ``gen``).

@@ -6,12 +6,12 @@ Linear-layer kernels (:data:`LINEAR_KERNELS`; shapes in each docstring below):
   * ``"avx2"``: :func:`int4_linear` / :func:`int8_linear`, each weight dequantized to float32
     in AVX2 registers and multiplied with the float32 (or widened bfloat16) activations by FMA
     (``csrc/quant_linear.cpp``). Integer dot products on int8 activations were measured and not
-    kept on AVX2 (README, "Native CPU linear layers").
+    kept on AVX2 (docs/benchmarks.md, "Native CPU linear layers").
   * ``"avx512_vnni"``: :func:`vnni_int4_linear` / :func:`vnni_int8_linear`, the activations
     quantized per row to int8 in blocks of 32 and multiplied with the weights by AVX-512 VNNI
     integer dot products (``csrc_vnni/vnni_linear.cpp``, llama.cpp's Q4_1 x Q8_1 scheme): 3-8x
     the "avx2" kernels and faster than oneDNN's dense bf16 matmul at every row count on an
-    AVX512-BF16 CPU (README, "Native CPU linear layers").
+    AVX512-BF16 CPU (docs/benchmarks.md, "Native CPU linear layers").
 Both compute every output row bitwise independently of the other rows of the batch.
 Attention kernels (:data:`ATTENTION_KERNELS`, :mod:`kernels.cpu.attention`), one driver
 (``csrc/attention_impl.h``) over three chunk kernels: "avx2" (``sgl_cpu::attention``),

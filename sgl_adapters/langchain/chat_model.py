@@ -18,7 +18,7 @@ with the ``openai`` client. What makes it more than ``ChatOpenAI(base_url=...)``
 
 Every request carries a ``max_tokens``: the caller's (``max_tokens=`` on the model, or per call),
 else :data:`DEFAULT_MAX_TOKENS`, never "the rest of the context". The public methods take
-``ChatOpenAI``'s arguments; the README's "LangChain" section lists where they differ (pinned by
+``ChatOpenAI``'s arguments; docs/adapters.md's "LangChain" section lists where they differ (pinned by
 ``tests/adapters/test_langchain.py``).
 """
 

@@ -257,7 +257,7 @@ def _params(fn) -> list[tuple[str, str, object]]:
 def test_public_methods_take_chat_openai_arguments():
     """Every public method ChatSGLang shares with langchain_openai.ChatOpenAI takes the same
     parameters (names, kinds, defaults; annotations aside). The differences that remain are
-    in the constructor fields, listed in the README's LangChain section."""
+    in the constructor fields, listed in docs/adapters.md's LangChain section."""
     langchain_openai = pytest.importorskip("langchain_openai")
     ours, theirs = ChatSGLang, langchain_openai.ChatOpenAI
     differ = {}

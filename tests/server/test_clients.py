@@ -1,7 +1,7 @@
 """Clients people already have, unmodified, against a live server: SGLang's own frontend
 (``sglang`` 0.5), LlamaIndex's ``llama-index-llms-sglang`` and Outlines' SGLang model. Each
 result is checked against the same request made directly (greedy, so equal text), or against
-the constraint it asked for. README's compatibility table lists what each client lacks."""
+the constraint it asked for. docs/server.md's compatibility table lists what each client lacks."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ namespace {
 // bf16 K/V (benchmarks.cpu_attention --layers 30, shuffled slots) 16 x (512 + 1) 0.58 -> 0.28
 // ms a layer, 1 x (4096 + 1) 0.29 -> 0.13, extends unchanged; one row through the default
 // model's 120 int4 linears from DRAM 18-22 -> 22-25 GB/s; prefills unchanged. Into L1 the misses
-// in flight stalled on the L1's miss buffers. On Zen 5 (family 1Ah) L1 measured faster (README,
+// in flight stalled on the L1's miss buffers. On Zen 5 (family 1Ah) L1 measured faster (docs/benchmarks.md,
 // "Engine"), and nothing was measured elsewhere, so L1 stays the default.
 inline bool prefetch_into_l2() {
   static const bool l2 = [] {
