@@ -15,7 +15,7 @@ import asyncio
 import math
 import time
 
-from server.http.responses import error_response
+from server.http.errors import error_response
 from server.http.tokenizer_manager import TokenizerManager
 
 STILL_SERVED = frozenset({"/metrics"})

@@ -18,7 +18,8 @@ from prometheus_client import (
     generate_latest,
 )
 
-from server.http.responses import error_response, manager_of
+from server.http.errors import error_response
+from server.http.responses import manager_of
 from server.http.tokenizer_manager import GenerateInput
 from server.model.files import reported_model_path
 from server.sampling_params import SamplingParams

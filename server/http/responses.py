@@ -16,6 +16,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from server import protocol as P
+from server.http.errors import error_body, error_response
 from server.http.tokenizer_manager import ApiError, TokenizerManager
 
 DISCONNECT_POLL_S = 0.1
@@ -24,23 +25,6 @@ DISCONNECT_POLL_S = 0.1
 def manager_of(request: Request) -> TokenizerManager:
     """The app's TokenizerManager (kept on app.state: no module globals)."""
     return request.app.state.manager
-
-
-_CODES = {400: "invalid_request", 401: "invalid_api_key", 404: "not_found",
-          413: "request_too_large", 415: "unsupported_media_type", 503: "unavailable"}
-
-
-def error_body(status: int, message: str, type: str = "invalid_request_error",
-               param: str | None = None) -> dict[str, Any]:
-    """The OpenAI error object, for a JSON response or an SSE error event."""
-    return {"error": {"message": message, "type": type, "param": param,
-                      "code": _CODES.get(status, str(status))}}
-
-
-def error_response(status: int, message: str, type: str = "invalid_request_error",
-                   param: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, type, param), status_code=status,
-                        headers=headers)
 
 
 def api_error_response(exc: ApiError) -> JSONResponse:

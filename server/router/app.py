@@ -37,6 +37,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, g
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from server.http.errors import error_body, error_response
 from server.router.policy import WorkerState, make_policy
 from server.router.tree import PrefixTree
 
@@ -187,7 +188,7 @@ class Router:
         while True:
             worker = self.pick(key, tried, pinned)
             if worker is None:
-                return _error(503, "no worker is available" + (f" (tried {len(tried)})"
+                return _unavailable("no worker is available" + (f" (tried {len(tried)})"
                                                                if tried else ""))
             tried.add(worker.url)
             self.routed.labels(worker.url).inc()
@@ -232,8 +233,8 @@ class Router:
         except httpx.HTTPError as exc:
             worker.healthy = False
             log.warning("worker %s broke a stream (%s); taken out", worker.url, exc)
-            err = {"error": {"message": f"the worker serving this stream failed: {exc}",
-                             "type": "server_error", "param": None, "code": "unavailable"}}
+            err = error_body(503, f"the worker serving this stream failed: {exc}",
+                             "server_error")
             yield f"\n\ndata: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
         finally:
             await resp.aclose()
@@ -250,129 +251,148 @@ class _WorkerMetrics:
         return iter(self.families)
 
 
-def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": "server_error", "param": None,
-                                   "code": "unavailable" if status == 503 else str(status)}},
-                        status_code=status, headers={"Retry-After": "1"} if status == 503
-                        else None)
+def _unavailable(message: str) -> JSONResponse:
+    """503 with a short Retry-After: no worker can take the request now."""
+    return error_response(503, message, "server_error", headers={"Retry-After": "1"})
+
+
+def _auth(request: Request) -> dict[str, str]:
+    """The client's Authorization header, passed on to the workers as it came."""
+    return {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+
+
+def _router(request: Request) -> Router:
+    return request.app.state.router
+
+
+@contextlib.asynccontextmanager
+async def _lifespan(app: FastAPI):
+    """Check every worker once, poll their health while the app runs, close the client."""
+    router: Router = app.state.router
+    await asyncio.gather(*(router.check(w) for w in list(router.workers.values())))
+    health = asyncio.get_running_loop().create_task(router.health_loop())
+    yield
+    health.cancel()
+    await router.client.aclose()
+
+
+def _routed(path: str):
+    """The handler of one routed path: a JSON object body, forwarded by the policy."""
+    async def route(request: Request):
+        try:
+            body = await request.json()
+        except ValueError:
+            return error_response(400, "the body is not valid JSON")
+        if not isinstance(body, dict):
+            return error_response(400, "the body must be a JSON object")
+        return await _router(request).forward(path, body, _auth(request))
+    return route
+
+
+async def _stored_response(response_id: str, request: Request):
+    """GET / DELETE /v1/responses/{id} on the worker that holds that response."""
+    router = _router(request)
+    worker = await router.owner(response_id, _auth(request))
+    if worker is None:
+        return error_response(404, f"response {response_id!r} not found on any worker",
+                              "not_found_error")
+    r = await router.client.request(request.method, f"{worker.url}/v1/responses/{response_id}",
+                                    headers=_auth(request))
+    return Response(r.content, r.status_code, media_type="application/json")
+
+
+async def _on_http_error(request: Request, exc: StarletteHTTPException):
+    message = (f"route {request.method} {request.url.path} is not served by this router "
+               f"(it routes {', '.join(ROUTED_PATHS)})" if exc.status_code == 404
+               else str(exc.detail))
+    return error_response(exc.status_code, message)
+
+
+async def _health(request: Request):
+    workers = _router(request).workers.values()
+    if any(w.available for w in workers):
+        return {"status": "ok", "workers": sum(w.healthy for w in workers)}
+    return _unavailable("no healthy worker")
+
+
+async def _models(request: Request):
+    """The first available worker's /v1/models (every worker serves the same model)."""
+    router = _router(request)
+    for w in router.workers.values():
+        if w.available:
+            r = await router.client.get(w.url + "/v1/models", headers=_auth(request))
+            return Response(r.content, r.status_code, media_type="application/json")
+    return _unavailable("no healthy worker")
+
+
+async def _list_workers(request: Request):
+    return {"workers": [{"url": w.url, "healthy": w.healthy, "in_flight": w.in_flight,
+                         "tree_chars": w.tree.size, "capacity_tokens": w.capacity_tokens}
+                        for w in _router(request).workers.values()]}
+
+
+async def _add_worker(request: Request):
+    try:
+        body = await request.json()
+    except ValueError:
+        body = None
+    url = body.get("url") if isinstance(body, dict) else None
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        return error_response(400, "give {'url': 'http://host:port'}", param="url")
+    router = _router(request)
+    await router.check(router.add(url))
+    return {"added": url.rstrip("/")}
+
+
+async def _remove_worker(url: str, request: Request):
+    if not _router(request).remove(url):
+        return error_response(404, f"no worker {url}", param="url")
+    return {"removed": url.rstrip("/")}
+
+
+async def _flush_cache(request: Request):
+    """Every worker's /flush_cache, and the router's own prefix trees emptied."""
+    router, results = _router(request), {}
+    for w in list(router.workers.values()):
+        try:
+            results[w.url] = (await router.client.post(w.url + "/flush_cache")).status_code
+        except httpx.HTTPError:
+            results[w.url] = None
+        w.tree = PrefixTree(w.tree.capacity)
+    return {"flushed": results}
+
+
+async def _metrics(request: Request):
+    """The router's metrics and every reachable worker's, labelled by worker."""
+    router, families = _router(request), []
+    for w in list(router.workers.values()):
+        try:
+            text = (await router.client.get(w.url + "/metrics", timeout=5.0)).text
+        except httpx.HTTPError:
+            continue
+        for fam in text_string_to_metric_families(text):
+            fam.samples = [s._replace(labels={**s.labels, "worker": w.url}) for s in fam.samples]
+            families.append(fam)
+    router.worker_metrics.families = _merge(families)
+    return Response(generate_latest(router.registry), media_type=CONTENT_TYPE_LATEST)
 
 
 def create_router_app(router: Router) -> FastAPI:
-    """The FastAPI app of ``router`` (health polling starts with the app)."""
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
-        await asyncio.gather(*(router.check(w) for w in list(router.workers.values())))
-        health = asyncio.get_running_loop().create_task(router.health_loop())
-        yield
-        health.cancel()
-        await router.client.aclose()
-
-    app = FastAPI(title="sgl-adapters router", lifespan=lifespan)
-
+    """The FastAPI app of ``router`` (kept on ``app.state``; health polling starts with the
+    app). Errors are the server's OpenAI error objects (:mod:`server.http.errors`)."""
+    app = FastAPI(title="sgl-adapters router", lifespan=_lifespan)
+    app.state.router = router
     for path in ROUTED_PATHS:
-        async def route(request: Request, path: str = path):
-            try:
-                body = await request.json()
-            except ValueError:
-                return JSONResponse({"error": {"message": "the body is not valid JSON",
-                                               "type": "invalid_request_error", "param": None,
-                                               "code": "invalid_request"}}, status_code=400)
-            if not isinstance(body, dict):
-                return JSONResponse({"error": {"message": "the body must be a JSON object",
-                                               "type": "invalid_request_error", "param": None,
-                                               "code": "invalid_request"}}, status_code=400)
-            auth = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
-            return await router.forward(path, body, auth)
-        app.post(path)(route)
-
-    @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
-    async def stored_response(response_id: str, request: Request):
-        auth = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
-        worker = await router.owner(response_id, auth)
-        if worker is None:
-            return JSONResponse({"error": {"message": f"response {response_id!r} not found on "
-                                           "any worker", "type": "not_found_error",
-                                           "param": None, "code": "not_found"}},
-                                status_code=404)
-        r = await router.client.request(request.method, f"{worker.url}/v1/responses/"
-                                        f"{response_id}", headers=auth)
-        return Response(r.content, r.status_code, media_type="application/json")
-
-    @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(request: Request, exc: StarletteHTTPException):
-        message = (f"route {request.method} {request.url.path} is not served by this router "
-                   f"(it routes {', '.join(ROUTED_PATHS)})" if exc.status_code == 404
-                   else str(exc.detail))
-        return JSONResponse({"error": {"message": message, "type": "invalid_request_error",
-                                       "param": None, "code": str(exc.status_code)}},
-                            status_code=exc.status_code)
-
-    @app.get("/health")
-    async def health():
-        if any(w.available for w in router.workers.values()):
-            return {"status": "ok", "workers": sum(w.healthy for w in router.workers.values())}
-        return _error(503, "no healthy worker")
-
-    @app.get("/v1/models")
-    async def models(request: Request):
-        for w in router.workers.values():
-            if w.available:
-                r = await router.client.get(w.url + "/v1/models", headers={
-                    k: v for k, v in request.headers.items() if k.lower() == "authorization"})
-                return Response(r.content, r.status_code, media_type="application/json")
-        return _error(503, "no healthy worker")
-
-    @app.get("/workers")
-    async def list_workers():
-        return {"workers": [{"url": w.url, "healthy": w.healthy, "in_flight": w.in_flight,
-                             "tree_chars": w.tree.size, "capacity_tokens": w.capacity_tokens}
-                            for w in router.workers.values()]}
-
-    @app.post("/workers")
-    async def add_worker(request: Request):
-        body = await request.json()
-        url = body.get("url") if isinstance(body, dict) else None
-        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-            return JSONResponse({"error": {"message": "give {'url': 'http://host:port'}",
-                                           "type": "invalid_request_error", "param": "url",
-                                           "code": "invalid_request"}}, status_code=400)
-        await router.check(router.add(url))
-        return {"added": url.rstrip("/")}
-
-    @app.delete("/workers")
-    async def remove_worker(url: str):
-        if not router.remove(url):
-            return JSONResponse({"error": {"message": f"no worker {url}", "type":
-                                           "invalid_request_error", "param": "url",
-                                           "code": "not_found"}}, status_code=404)
-        return {"removed": url.rstrip("/")}
-
-    @app.post("/flush_cache")
-    async def flush_cache():
-        results = {}
-        for w in list(router.workers.values()):
-            try:
-                results[w.url] = (await router.client.post(w.url + "/flush_cache")).status_code
-            except httpx.HTTPError:
-                results[w.url] = None
-            w.tree = PrefixTree(w.tree.capacity)
-        return {"flushed": results}
-
-    @app.get("/metrics")
-    async def metrics():
-        families = []
-        for w in list(router.workers.values()):
-            try:
-                text = (await router.client.get(w.url + "/metrics", timeout=5.0)).text
-            except httpx.HTTPError:
-                continue
-            for fam in text_string_to_metric_families(text):
-                fam.samples = [s._replace(labels={**s.labels, "worker": w.url})
-                               for s in fam.samples]
-                families.append(fam)
-        router.worker_metrics.families = _merge(families)
-        return Response(generate_latest(router.registry), media_type=CONTENT_TYPE_LATEST)
-
+        app.post(path)(_routed(path))
+    app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])(_stored_response)
+    app.exception_handler(StarletteHTTPException)(_on_http_error)
+    app.get("/health")(_health)
+    app.get("/v1/models")(_models)
+    app.get("/workers")(_list_workers)
+    app.post("/workers")(_add_worker)
+    app.delete("/workers")(_remove_worker)
+    app.post("/flush_cache")(_flush_cache)
+    app.get("/metrics")(_metrics)
     return app
 
 
