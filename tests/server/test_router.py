@@ -207,6 +207,8 @@ def test_workers_are_added_and_removed_at_run_time(cluster):
     assert httpx.post(url + "/workers", json={"url": second}).json() == {"added": second}
     assert len(httpx.get(url + "/workers").json()["workers"]) == 2
     assert httpx.post(url + "/workers", json={"url": "nope"}).status_code == 400
+    bad = httpx.post(url + "/workers", content=b"{not json")
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "url"
 
 
 def test_a_worker_killed_mid_stream(cluster):
