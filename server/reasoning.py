@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from server import protocol as P
-from server.config import REASONING_PARSERS
+from server.front_config import REASONING_PARSERS
 
 START, END = "<think>", "</think>"
 

@@ -15,9 +15,13 @@ import time
 
 import httpx
 
-# flags of this process that the replicas must not inherit (name -> takes a value)
-_OWN_FLAGS = {"--dp-size": True, "--port": True, "--host": True, "--parent-pid": True,
-              "--router-policy": True}
+from server.front_config import CLI_CONFIGS
+from server.options import declared_options
+
+# flags of this process that the replicas must not inherit (name -> takes a value): the ones
+# declared with replica=False (the data-parallel front's, and where it listens)
+_OWN_FLAGS = {name: flag.takes_value for _, _, flag in declared_options(*CLI_CONFIGS)
+              if not flag.replica for name in (flag.name, *flag.aliases)}
 
 
 def replica_argv(argv: list[str]) -> list[str]:

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from kernels import create_attention_backend, resolve_attention_backend
-from server.config import ConfigError, EngineConfig, resolve
+from server.config import ConfigError, EngineConfig
+from server.resolve import resolve
 
 CPU = torch.device("cpu")
 

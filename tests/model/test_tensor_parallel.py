@@ -48,7 +48,7 @@ def test_heads_are_planned_in_whole_groups_or_replicated():
     with pytest.raises(ConfigError, match="dist_init_addr"):
         EngineConfig.from_kwargs(tp_size=2, nnodes=2)
     with pytest.raises(ConfigError, match="quantization"):
-        from server.config import resolve
+        from server.resolve import resolve
 
         resolve(EngineConfig.from_kwargs(tp_size=2, quantization="int4"),
                 kv_elements_per_token=8, model_context_length=64, available_bytes=1 << 30)

@@ -2,7 +2,8 @@
 
 import pytest
 
-from server.config import ConfigError, EngineConfig, ModelConfig, resolve
+from server.config import ConfigError, EngineConfig, ModelConfig
+from server.resolve import resolve
 
 
 def test_unknown_option_is_refused():
@@ -119,3 +120,52 @@ def test_the_http_side_imports_no_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.strip()
     assert out == "[]", out
+
+
+def test_every_flag_is_declared_once_on_its_field():
+    """``python -m server``'s flags are exactly the configs' declared options (one field
+    each), and with no flags the CLI builds the configs' own defaults (the one declared
+    difference: the server's device is "auto", the offline Engine's "cpu")."""
+    import dataclasses
+
+    from server.__main__ import build_parser, configs_from_args
+    from server.front_config import CLI_CONFIGS, DataParallelConfig, HTTPConfig
+    from server.options import build_from, declared_options
+
+    declared = list(declared_options(*CLI_CONFIGS))
+    parser = build_parser()
+    flags = {s for a in parser._actions for s in a.option_strings} - {"-h", "--help"}
+    assert flags == {n for _, _, flag in declared for n in (flag.name, *flag.aliases)}
+    dests = [f.name for _, f, _ in declared]
+    assert len(dests) == len(set(dests)), "two declared options share a field name"
+    engine, http = configs_from_args(parser.parse_args([]))
+    assert engine == EngineConfig(model=ModelConfig(device="auto")) and http == HTTPConfig()
+    assert build_from(DataParallelConfig, parser.parse_args([])) == DataParallelConfig()
+    engine, _ = configs_from_args(parser.parse_args(["--disable-mixed-chunk", "--seed", "7",
+                                                     "--mem-fraction-static", "0.2"]))
+    assert engine.scheduler.mixed_chunk is False and engine.seed == 7
+    assert engine.cache.mem_fraction == 0.2
+    # the Engine takes every field of its four configs and the seed, and nothing else
+    fields = [f for cls in (ModelConfig, config_cls("cache"), config_cls("scheduler"),
+                            config_cls("parallel")) for f in dataclasses.fields(cls)]
+    kwargs = {("model" if f.name == "path" else f.name): f.default for f in fields}
+    assert EngineConfig.from_kwargs(seed=1, **kwargs).seed == 1
+    for name in ("port", "dp_size", "api_key"):  # the HTTP process's and the front's
+        with pytest.raises(ConfigError, match=name):
+            EngineConfig.from_kwargs(**{name: None})
+
+
+def config_cls(part: str) -> type:
+    import dataclasses
+
+    return next(f.default_factory for f in dataclasses.fields(EngineConfig) if f.name == part)
+
+
+def test_replicas_inherit_every_flag_but_the_fronts_own():
+    from server.router.dp import replica_argv
+
+    argv = ["--dp-size", "2", "--router-policy=round_robin", "--host", "0.0.0.0", "--port",
+            "8000", "--parent-pid", "1", "--model", "m.gguf", "--disable-mixed-chunk",
+            "--mem-fraction-static=0.1", "--tp-size", "1"]
+    assert replica_argv(argv) == ["--model", "m.gguf", "--disable-mixed-chunk",
+                                  "--mem-fraction-static=0.1", "--tp-size", "1"]
