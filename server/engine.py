@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import logging
 import threading
 import time
 import uuid
@@ -58,6 +59,7 @@ from server.scheduler.request import LogprobOptions, Req
 from server.scheduler.scheduler import Scheduler
 from server.scheduler.validation import InvalidRequestError
 
+log = logging.getLogger("server.scheduler")  # the step loop's (the server logs it there)
 Prompt = str | Sequence[int]
 # Extend passes of at least this many tokens run quantized linears on a dense bf16 copy where
 # the CPU has bf16 dot products and the linear kernel is the AVX2 one (measured break-even ~32
@@ -425,16 +427,33 @@ class Engine:
         """Empty the radix cache; False (nothing done) while requests hold KV memory."""
         return self.scheduler.flush_cache()
 
+    def step(self) -> list[TokenDelta] | None:
+        """One scheduler step and its forward pass, the one step the offline engine and the
+        server's scheduler loop both run: the step's token deltas, or None when no batch could
+        be formed (nothing runnable, or cached pages still coming from disk: then it waits
+        1 ms, so a caller's loop does not spin). A pass that raises, in the runner or in
+        sampling, ends only that batch's requests, with an "error" finish (their deltas are
+        returned and the exception logged): one bad batch never stops the engine."""
+        batch = self.scheduler.step()
+        if batch is None:
+            if self.scheduler.reading_ahead:
+                time.sleep(0.001)
+            return None
+        try:
+            return self.scheduler.update(batch, self.runner.forward(batch))
+        except Exception as exc:  # noqa: BLE001 - isolate: fail this batch, keep serving
+            log.exception("batch failed; its requests end with an error")
+            return self.scheduler.fail_batch(batch, f"internal error: {type(exc).__name__}: "
+                                                    f"{exc}")
+
     def stream_steps(self) -> Iterator[list[TokenDelta]]:
-        """Run scheduler steps until idle, yielding each step's token deltas."""
+        """Run :meth:`step` until idle, yielding each step's token deltas."""
         while self.scheduler.has_work:
-            batch = self.scheduler.step()
-            if batch is None:
-                if self.scheduler.reading_ahead:  # cached pages are coming from disk
-                    time.sleep(0.001)
-                    continue
+            deltas = self.step()
+            if deltas is not None:
+                yield deltas
+            elif not self.scheduler.reading_ahead:
                 raise RuntimeError("scheduler has queued work but cannot schedule it")
-            yield self.scheduler.update(batch, self.runner.forward(batch))
 
     @staticmethod
     def _output(req: Req, text: OutputText) -> dict:

@@ -194,16 +194,9 @@ class SchedulerLoop:
             self._admit_prepared()
         if not sched.has_work:
             return
-        batch = sched.step()
-        if batch is None:
-            if sched.reading_ahead:
-                time.sleep(0.001)  # cached pages are coming from disk: do not spin
+        deltas = self.engine.step()  # a failing batch ends with errors inside it
+        if deltas is None:
             return
-        try:
-            deltas = sched.update(batch, self.engine.runner.forward(batch))
-        except Exception as exc:  # noqa: BLE001 - isolate: fail this batch, keep serving
-            log.exception("batch failed; its requests end with an error")
-            deltas = sched.fail_batch(batch, f"internal error: {type(exc).__name__}: {exc}")
         self._send_outputs(deltas)
         self.steps += 1
         if self.steps % INVARIANT_CHECK_EVERY == 0 or not sched.has_work:

@@ -186,3 +186,27 @@ def test_a_bfloat16_kv_pool_beside_float32_compute(make_tiny_model, tiny_engine,
     batched = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=params)]
     assert batched == singles
     assert_no_request_memory(eng.cache)
+
+
+def test_a_failing_pass_ends_only_its_batch_offline_too(tiny_engine, monkeypatch):
+    """Engine.step isolates a pass that raises (a fault we cannot cause otherwise) as the
+    server's loop does: that batch's requests end with an "error" finish, and the engine then
+    serves the next requests and keeps its KV invariants."""
+    real_forward = tiny_engine.runner.forward
+    calls = {"n": 0}
+
+    def flaky(batch):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("simulated kernel failure")
+        return real_forward(batch)
+
+    monkeypatch.setattr(tiny_engine.runner, "forward", flaky)
+    sp = {"max_new_tokens": 3, "temperature": 0}
+    doomed = tiny_engine.generate(input_ids=[[5, 6, 7]], sampling_params=sp)[0]
+    reason = doomed["meta_info"]["finish_reason"]
+    assert reason["type"] == "error" and "simulated" in reason["message"]
+    fine = tiny_engine.generate(input_ids=[[5, 6, 7]], sampling_params=sp)[0]
+    assert fine["meta_info"]["finish_reason"]["type"] == "length"
+    assert len(fine["output_ids"]) == 3
+    tiny_engine.scheduler.check_invariants()
