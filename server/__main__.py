@@ -54,6 +54,9 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, HTTPConfi
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv`` (default: sys.argv) and run what it asks for: the server, a
+    data-parallel front over replicas, or a compute-only tensor-parallel node. Returns the
+    exit code (2 for an invalid option)."""
     args = build_parser().parse_args(argv)
     try:
         engine, http = configs_from_args(args)

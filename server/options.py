@@ -48,9 +48,11 @@ class Flag:
 
     @property
     def takes_value(self) -> bool:
+        """False for a bare (boolean) flag."""
         return self.type is not bool
 
     def default(self, field_default: Any) -> Any:
+        """The CLI's default for a field whose own default is ``field_default``."""
         return field_default if self.cli_default is UNSET else self.cli_default
 
 

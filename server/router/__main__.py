@@ -14,6 +14,8 @@ from server.router.policy import POLICIES
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """``python -m server.router``'s command line (the standalone router; ``python -m server
+    --dp-size N`` starts one itself)."""
     p = argparse.ArgumentParser(prog="python -m server.router", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worker-urls", nargs="*", default=[], help="base URLs of the workers "
@@ -51,6 +53,7 @@ def run_router(urls: list[str], host: str, port: int, policy: str = "cache_aware
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv`` (default: sys.argv) and run the router; returns the exit code."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -48,6 +48,10 @@ DEFAULT_CAPACITY_TOKENS = 65536
 
 @dataclass
 class Worker(WorkerState):
+    """A server behind the router: its health (polled; a broken connection or stream takes it
+    out), its 503 back-off and its KV capacity in tokens (from its /server_info), which sizes
+    its prefix tree."""
+
     healthy: bool = True
     backoff_until: float = 0.0  # time.monotonic() before which a 503-ing worker is skipped
     capacity_tokens: int = DEFAULT_CAPACITY_TOKENS
@@ -55,6 +59,7 @@ class Worker(WorkerState):
 
     @property
     def available(self) -> bool:
+        """Healthy and not backing off a 503: the policy may pick it."""
         return self.healthy and time.monotonic() >= self.backoff_until
 
 
@@ -118,12 +123,15 @@ class Router:
 
     # ---------------------------------------------------------------- membership
     def add(self, url: str) -> Worker:
+        """The worker at ``url``, added (healthy until its first check) if it is new."""
         url = url.rstrip("/")
         if url not in self.workers:
             self.workers[url] = Worker(url, PrefixTree(self._capacity(DEFAULT_CAPACITY_TOKENS)))
         return self.workers[url]
 
     def remove(self, url: str) -> bool:
+        """Stop routing to ``url``; False when it was not a worker. Its requests in flight
+        finish."""
         return self.workers.pop(url.rstrip("/"), None) is not None
 
     def _capacity(self, tokens: int) -> int:
@@ -131,6 +139,8 @@ class Router:
 
     # ---------------------------------------------------------------- health
     async def check(self, worker: Worker) -> None:
+        """Poll ``worker``'s /health (5 s), and its /server_info once for its KV capacity; a
+        failure takes it out until a later check passes."""
         try:
             ok = (await self.client.get(worker.url + "/health", timeout=5.0)).status_code == 200
             if ok and worker.capacity_tokens == DEFAULT_CAPACITY_TOKENS:
@@ -145,6 +155,8 @@ class Router:
         worker.healthy = ok
 
     async def health_loop(self) -> None:
+        """Check every worker each ``health_interval`` seconds; SIGTERM this process once the
+        process that started it (``parent_pid``) is gone."""
         while True:
             if self.parent_pid is not None and os.getppid() != self.parent_pid:
                 log.error("the process that started the router is gone; shutting down")
@@ -169,6 +181,8 @@ class Router:
         return next((w for w, ok in zip(workers, found) if ok), None)
 
     def pick(self, key: str, exclude: set[str], only: Worker | None = None) -> Worker | None:
+        """The available worker the policy picks for request text ``key`` (never one in
+        ``exclude``; only ``only`` when given), its tree then holding ``key``; None if none."""
         candidates = [w for w in self.workers.values() if w.available and w.url not in exclude
                       and (only is None or w is only)]
         if not candidates:

@@ -31,29 +31,45 @@ class WorkerState:
 
 
 class Policy(Protocol):
-    def pick(self, workers: Sequence[WorkerState], text: str) -> WorkerState: ...
+    """How the router chooses among the available workers for one request."""
+
+    def pick(self, workers: Sequence[WorkerState], text: str) -> WorkerState:
+        """One of ``workers`` (non-empty) for a request whose routing text is ``text``."""
+        ...
 
 
 class RoundRobin:
+    """Each worker in turn, whatever the request."""
+
     def __init__(self) -> None:
         self._counter = itertools.count()
 
     def pick(self, workers: Sequence[WorkerState], text: str) -> WorkerState:
+        """The next worker of the rotation."""
         return workers[next(self._counter) % len(workers)]
 
 
 class LeastLoad:
+    """The worker with the fewest requests in flight through this router."""
+
     def pick(self, workers: Sequence[WorkerState], text: str) -> WorkerState:
+        """The least-loaded worker (the first of equals)."""
         return min(workers, key=lambda w: w.in_flight)
 
 
 @dataclass
 class CacheAware:
+    """SGLang's cache-aware routing: the worker whose approximate prefix tree matches most of
+    the request's text when the match is at least ``cache_threshold`` of it, else the worker
+    whose tree is emptiest; while loads are out of balance (differ by more than
+    ``balance_abs`` requests and by a factor of ``balance_rel``), the least-loaded worker."""
+
     cache_threshold: float = 0.5
     balance_abs: int = 32
     balance_rel: float = 1.1
 
     def pick(self, workers: Sequence[WorkerState], text: str) -> WorkerState:
+        """The worker by the rule in the class docstring."""
         loads = [w.in_flight for w in workers]
         if max(loads) - min(loads) > self.balance_abs and max(loads) > self.balance_rel * min(loads):
             return min(workers, key=lambda w: w.in_flight)
