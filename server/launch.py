@@ -36,7 +36,7 @@ log = logging.getLogger("server.launch")
 
 
 class SchedulerDiedError(RuntimeError):
-    pass
+    """The scheduler process exited (while loading the model, or later)."""
 
 
 class _DrainingServer(uvicorn.Server):

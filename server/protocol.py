@@ -68,11 +68,11 @@ class AbortReq(msgspec.Struct, tag=True):
 
 
 class FlushCacheReq(msgspec.Struct, tag=True):
-    pass
+    """Empty the radix cache (answered by FlushCacheReply)."""
 
 
 class ServerInfoReq(msgspec.Struct, tag=True):
-    pass
+    """Ask for the scheduler's counters (answered by ServerInfoReply)."""
 
 
 # ---------------------------------------------------------------- from the scheduler
@@ -114,6 +114,8 @@ class ReqOutput(msgspec.Struct):
 
 
 class BatchOutput(msgspec.Struct, tag=True):
+    """Every request's progress in one scheduler step."""
+
     outputs: list[ReqOutput]
 
 
@@ -127,10 +129,15 @@ class ReqError(msgspec.Struct, tag=True):
 
 
 class FlushCacheReply(msgspec.Struct, tag=True):
+    """The answer to FlushCacheReq: False when requests held KV and nothing was flushed."""
+
     ok: bool
 
 
 class ServerInfoReply(msgspec.Struct, tag=True):
+    """The answer to ServerInfoReq: the scheduler's counters (``Scheduler.metrics``) and how
+    many KV invariant checks failed so far."""
+
     metrics: dict[str, float]
     invariant_violations: int
 
@@ -140,6 +147,8 @@ Message = Union[GenerateReq, AbortReq, FlushCacheReq, ServerInfoReq, Ready, Batc
 
 
 class Envelope(msgspec.Struct):
+    """One frame on the wire: the protocol version ``v`` and the message."""
+
     v: int
     msg: Message
 
@@ -149,6 +158,7 @@ _decoder = msgspec.msgpack.Decoder(Envelope)
 
 
 def encode(msg: Message) -> bytes:
+    """``msg`` as one msgpack frame in an Envelope of this PROTOCOL_VERSION."""
     return _encoder.encode(Envelope(PROTOCOL_VERSION, msg))
 
 

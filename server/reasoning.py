@@ -130,6 +130,8 @@ class ReasoningStream:
         self.sent_answer = ""
 
     def feed(self, text: str, final: bool = False) -> tuple[str, str]:
+        """The (reasoning, answer) text not sent yet, given the whole output ``text`` so far;
+        ``final`` releases text held back while a marker could still be forming."""
         reasoning, answer = split(text, self.state, final)
         # the reasoning part may lose trailing whitespace once the marker arrives (strip):
         # deltas only ever extend what was sent

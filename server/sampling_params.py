@@ -207,6 +207,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
+        """Temperature 0: the argmax is taken."""
         return self.temperature == 0.0
 
     def validate_for_vocab(self, vocab_size: int) -> None:

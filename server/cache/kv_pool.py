@@ -53,6 +53,7 @@ class TokenKVPool:
 
     @property
     def num_free(self) -> int:
+        """Slots (tokens) not owned by a request or the cache."""
         return int(self._free.numel())
 
     def alloc(self, n: int) -> torch.Tensor:

@@ -60,6 +60,8 @@ class PrefixHit:
 
 @dataclass
 class CacheStats:
+    """Counters of the cache manager, in tokens."""
+
     evicted_tokens: int = 0
     loaded_tokens: int = 0  # copied back into the pool from a tier
 
@@ -140,6 +142,7 @@ class CacheManager:
         return self.tree.disabled
 
     def usage(self) -> CacheUsage:
+        """Where the pool's slots are now (free, evictable, protected) and the counters."""
         tree, tiers = self.tree, self.tiers
         return CacheUsage(self.pool.capacity, self.pool.num_free, tree.evictable_size,
                           tree.protected_size, self.stats.evicted_tokens,

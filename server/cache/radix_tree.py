@@ -45,6 +45,7 @@ class TreeNode:
 
     @property
     def is_root(self) -> bool:
+        """True for a namespace's root (no parent, no key)."""
         return self.parent is None
 
     def __repr__(self) -> str:

@@ -29,6 +29,7 @@ class ReqToTokenTable:
 
     @property
     def num_free_rows(self) -> int:
+        """Rows no running request holds."""
         return len(self._free_rows)
 
     def alloc_row(self) -> int:
@@ -38,6 +39,7 @@ class ReqToTokenTable:
         return self._free_rows.pop()
 
     def free_row(self, row: int) -> None:
+        """Give ``row`` back (its slot entries are left as they are: ignored until rewritten)."""
         self._free_rows.append(row)
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:

@@ -326,6 +326,8 @@ class KVTiers:
         return name in self.host or (self.disk is not None and name in self.disk)
 
     def put(self, name: str, page: torch.Tensor) -> None:
+        """Keep page ``name`` (a [PAGE_TOKENS, ...] K/V copy) in the host tier, which spills
+        to disk when full; a page already held is not stored twice."""
         if name not in self:
             self.saved += 1
             self.host.put(name, page)

@@ -71,6 +71,9 @@ def _trim_heap() -> None:
 
 
 class GrammarError(ValueError):
+    """A constraint that cannot be compiled (or took too long): a 400 naming ``param``, the
+    request field it came from."""
+
     def __init__(self, param: str, message: str):
         super().__init__(f"{param}: {message}")
         self.param = param

@@ -74,6 +74,7 @@ class ReasoningGatedMatcher:
 
     @property
     def terminated(self) -> bool:
+        """The grammar is active and has reached its end (nothing more may be generated)."""
         return self.state == ACTIVE and self._m.terminated
 
     def rollback(self, num_tokens: int) -> None:

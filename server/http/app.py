@@ -34,6 +34,7 @@ class BodySizeLimit:
         self.app, self.max_bytes = app, max_bytes
 
     async def __call__(self, scope, receive, send):
+        """ASGI entry point (one HTTP request or lifespan event)."""
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         too_big = error_response(413, f"body over {self.max_bytes} bytes")

@@ -24,11 +24,16 @@ def is_authorized(path: str, headers: dict[str, str], api_key: str | None) -> bo
 
 
 class APIKeyMiddleware:
+    """Pure-ASGI middleware: 401 (OpenAI-shaped) for a request without the key
+    (:func:`is_authorized`) on every route but /health, /health_generate and /metrics; no key
+    configured lets everything through."""
+
     def __init__(self, app, api_key: str | None):
         self.app = app
         self.api_key = api_key
 
     async def __call__(self, scope, receive, send):
+        """ASGI entry point (one HTTP request or lifespan event)."""
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}

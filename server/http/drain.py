@@ -31,6 +31,7 @@ class Drain:
 
     @property
     def draining(self) -> bool:
+        """True once the drain has begun."""
         return self.deadline is not None
 
     def begin(self) -> bool:
@@ -69,6 +70,7 @@ class DrainGate:
         self.app, self.drain = app, drain
 
     async def __call__(self, scope, receive, send):
+        """ASGI entry point (one HTTP request or lifespan event)."""
         if scope["type"] == "http" and self.drain.draining \
                 and scope["path"] not in STILL_SERVED:
             refuse = error_response(503, "the server is shutting down; retry on another "

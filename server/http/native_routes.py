@@ -111,6 +111,8 @@ class _Accumulator:
 
 @router.post("/generate")
 async def generate(request: Request, body: GenerateRequest = Depends(body_of(GenerateRequest))):
+    """SGLang's native generation: ``text`` or ``input_ids``, one or a batch, streamed (SSE)
+    or not; answers ``{text, output_ids, meta_info}`` per prompt."""
     manager = manager_of(request)
     inputs, single = await admit_generate(manager, body)
     streams = [manager.generate(inp) for inp in inputs]
@@ -141,6 +143,7 @@ async def generate(request: Request, body: GenerateRequest = Depends(body_of(Gen
 
 @router.post("/flush_cache")
 async def flush_cache(request: Request):
+    """Empty the radix cache (SGLang's route); 400 while requests hold KV memory."""
     if not await manager_of(request).flush_cache():
         raise ApiError(400, "the cache cannot be flushed while requests are running; retry when "
                        "idle", param=None)
@@ -149,5 +152,6 @@ async def flush_cache(request: Request):
 
 @router.post("/abort_request")
 async def abort_request(request: Request, body: AbortRequest = Depends(body_of(AbortRequest))):
+    """End request ``rid`` (SGLang's route): it finishes with reason "abort"."""
     await manager_of(request).abort(body.rid)
     return {"aborted": body.rid}

@@ -54,6 +54,7 @@ def _model_card(request: Request) -> dict:
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict:
+    """The served model (OpenAI ``GET /v1/models``)."""
     return {"object": "list", "data": [_model_card(request)]}
 
 
@@ -88,6 +89,7 @@ def _completion_logprobs(manager: TokenizerManager, outs: list[P.ReqOutput], k: 
 
 @router.post("/v1/completions")
 async def completions(request: Request, body: CompletionRequest = Depends(body_of(CompletionRequest))):
+    """OpenAI text completions (``POST /v1/completions``), streamed (SSE) or not."""
     manager = manager_of(request)
     prompts, inputs = await admit_completion(manager, body)
     want_lp = body.logprobs is not None
@@ -183,6 +185,8 @@ def _chat_logprobs(manager: TokenizerManager, outs: list[P.ReqOutput]) -> dict[s
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request,
                            body: ChatCompletionRequest = Depends(body_of(ChatCompletionRequest))):
+    """OpenAI chat completions (``POST /v1/chat/completions``): chat template, tools and
+    ``response_format`` enforced by grammar, streamed (SSE) or not."""
     manager = manager_of(request)
     inputs, tools, use_tools = await admit_chat(manager, body)
     state = inputs[0].reasoning_state

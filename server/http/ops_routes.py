@@ -70,6 +70,7 @@ class ServerMetrics:
                              buckets=buckets, registry=self.registry)
 
     def observe(self, event: str, seconds: float) -> None:
+        """One latency sample (seconds) of ``event``: "ttft", "itl" or "e2e"."""
         if event == "ttft":
             self.ttft.observe(seconds)
         elif event == "itl":
@@ -82,6 +83,7 @@ class ServerMetrics:
 
 @router.get("/health")
 async def health(request: Request):
+    """200 while the scheduler process runs, else 503 (no model call)."""
     if not manager_of(request).scheduler_alive:
         return error_response(503, "the scheduler process is not running", "server_error")
     return {"status": "ok"}
@@ -89,6 +91,7 @@ async def health(request: Request):
 
 @router.get("/health_generate")
 async def health_generate(request: Request):
+    """200 once a one-token generation succeeds, else 503."""
     manager = manager_of(request)
     if not manager.scheduler_alive:
         return error_response(503, "the scheduler process is not running", "server_error")
@@ -101,6 +104,7 @@ async def health_generate(request: Request):
 
 @router.get("/metrics")
 async def metrics(request: Request):
+    """Prometheus metrics: latency histograms, the scheduler's gauges and counters."""
     m: ServerMetrics = request.app.state.metrics
     manager = manager_of(request)
     m.unbounded.set(manager.unbounded_requests)
@@ -116,6 +120,8 @@ async def metrics(request: Request):
 @router.get("/model_info")
 @router.get("/get_model_info")
 async def model_info(request: Request):
+    """The model and how it runs (path, dtype, device, attention backend, quantization,
+    batch invariance, n-gram drafts), in SGLang's /get_model_info shape."""
     manager = manager_of(request)
     info, vision = manager.info, manager.vision
     path = request.app.state.model_path
@@ -135,6 +141,7 @@ async def model_info(request: Request):
 @router.get("/server_info")
 @router.get("/get_server_info")
 async def server_info(request: Request):
+    """The server's configuration and live state (requests in flight, KV use, metrics)."""
     manager = manager_of(request)
     info = await manager.server_info()
     now = time.monotonic()

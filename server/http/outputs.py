@@ -57,6 +57,8 @@ def with_text(item: P.ReqOutput, text: OutputText) -> tuple[P.ReqOutput, str | N
 
 
 def params_dict(params: SamplingParams) -> dict[str, Any]:
+    """``params`` as the plain dict GenerateReq carries to the scheduler (tuples as lists,
+    logit_bias keyed by token id strings)."""
     d = dataclasses.asdict(params)
     d["logit_bias"] = {str(k): v for k, v in params.logit_bias}
     d["stop"], d["stop_token_ids"] = list(params.stop), list(params.stop_token_ids)

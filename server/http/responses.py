@@ -28,10 +28,12 @@ def manager_of(request: Request) -> TokenizerManager:
 
 
 def api_error_response(exc: ApiError) -> JSONResponse:
+    """``exc`` as an OpenAI error response with its status and headers."""
     return error_response(exc.status, exc.message, exc.type, exc.param, exc.headers)
 
 
 def sse(data: Any) -> str:
+    """One server-sent event carrying ``data`` as JSON."""
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
@@ -166,6 +168,7 @@ async def merge(streams: Sequence[AsyncIterator[P.ReqOutput]]
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    """The OpenAI usage object (tokens), cached prompt tokens included."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}

@@ -314,6 +314,9 @@ class ResponseStore:
             OrderedDict()
 
     def put(self, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
+        """Keep ``response`` and the conversation that led to it (for previous_response_id),
+        evicting the least recently used past ``capacity`` entries or ``max_bytes``; one
+        larger than ``max_bytes`` alone is not kept."""
         cost = len(json.dumps(response)) + len(json.dumps(conversation))
         if self.capacity <= 0 or cost > self.max_bytes:
             return

@@ -96,6 +96,8 @@ class _Reply:
 
 @router.post("/v1/responses")
 async def create_response(request: Request, body: ResponsesRequest = Depends(body_of(ResponsesRequest))):
+    """OpenAI Responses (``POST /v1/responses``), plain or as SSE events; chained by
+    ``previous_response_id``."""
     manager = manager_of(request)
     store = request.app.state.response_store
     history: list[dict[str, Any]] = []
@@ -130,12 +132,14 @@ async def create_response(request: Request, body: ResponsesRequest = Depends(bod
 
 @router.get("/v1/responses/{response_id}")
 async def retrieve_response(response_id: str, request: Request) -> dict:
+    """A stored response (``GET /v1/responses/{id}``); 404 when unknown."""
     response, _ = request.app.state.response_store.get(response_id)
     return response
 
 
 @router.delete("/v1/responses/{response_id}")
 async def delete_response(response_id: str, request: Request) -> dict:
+    """Forget a stored response (``DELETE /v1/responses/{id}``); 404 when unknown."""
     request.app.state.response_store.delete(response_id)
     return {"id": response_id, "object": "response", "deleted": True}
 

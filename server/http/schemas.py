@@ -86,6 +86,8 @@ class RequestBody(_Body):
 
 
 class StreamOptions(_Body):
+    """OpenAI ``stream_options``: ``include_usage`` adds a final usage chunk."""
+
     include_usage: bool = False
 
 
@@ -123,6 +125,8 @@ class _OpenAISampling(RequestBody):
 
 
 class CompletionRequest(_OpenAISampling):
+    """The body of ``POST /v1/completions``."""
+
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=0)
     # SGLang's native name, sent to /v1/completions by clients such as llama-index-llms-sglang;
@@ -134,12 +138,16 @@ class CompletionRequest(_OpenAISampling):
 
 
 class ContentPart(_Body):
+    """One part of a chat message's content: text, or an image URL."""
+
     type: str
     text: str | None = None
     image_url: dict[str, Any] | str | None = None  # {"url": "data:image/png;base64,..."}
 
 
 class ChatMessage(_Body):
+    """One chat message: role, content (text or parts), tool calls and their results."""
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -148,6 +156,8 @@ class ChatMessage(_Body):
 
 
 class ChatCompletionRequest(_OpenAISampling):
+    """The body of ``POST /v1/chat/completions``."""
+
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: int | None = Field(None, ge=0)
     max_completion_tokens: int | None = Field(None, ge=0)
@@ -178,4 +188,6 @@ class GenerateRequest(RequestBody):
 
 
 class AbortRequest(RequestBody):
+    """The body of ``POST /abort_request``."""
+
     rid: str

@@ -92,6 +92,7 @@ class InFlight:
     stalled: bool = False
 
     def as_dict(self, now: float) -> dict[str, Any]:
+        """This request as /server_info lists it (tokens, and seconds since it started)."""
         return {"rid": self.rid, "prompt_tokens": self.prompt_tokens,
                 "completion_tokens": self.completion_tokens,
                 "max_new_tokens": self.max_new_tokens, "max_tokens_given": self.max_tokens_given,
@@ -142,9 +143,11 @@ class TokenizerManager:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
+        """Start receiving the scheduler's outputs (on the running event loop)."""
         self._recv_task = asyncio.get_running_loop().create_task(self._recv_loop())
 
     async def close(self) -> None:
+        """Stop receiving and drop the tokenizer threads' queued work."""
         if self._recv_task is not None:
             self._recv_task.cancel()
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
@@ -247,6 +250,8 @@ class TokenizerManager:
 
     @property
     def template_renders_tools(self) -> bool:
+        """Whether the chat template renders a ``tools`` list itself (else a system prompt
+        describes them: :func:`server.http.tools.tools_system_prompt`)."""
         return "tools" in (getattr(self.tokenizer, "chat_template", None) or "")
 
     def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True,

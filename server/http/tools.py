@@ -88,6 +88,8 @@ def call_schema(tools: dict[str, dict], names: list[str]) -> dict[str, Any]:
 
 
 def tools_system_prompt(tools: dict[str, dict]) -> str:
+    """The system prompt that lists ``tools`` (name -> OpenAI function) for a chat template
+    that does not render tools itself."""
     listing = json.dumps([{"name": n, "description": t.get("description", ""),
                            "parameters": t["parameters"]} for n, t in tools.items()])
     return ("You can call these functions: " + listing + "\nTo call one, reply with only a JSON "

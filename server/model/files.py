@@ -234,6 +234,7 @@ def gguf_tokenizer(path: str, cache_dir: str = TOKENIZER_CACHE_DIR, fast_only: b
 
 
 def default_path_or_none() -> str | None:
+    """The default model's file, or None where its package is not installed."""
     try:
         return default_model_path()
     except ModelLoadError:

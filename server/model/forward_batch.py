@@ -11,6 +11,8 @@ import torch
 
 
 class ForwardMode(enum.Enum):
+    """What kind of pass a ForwardBatch is (attention kernels differ between the two)."""
+
     EXTEND = "extend"  # new tokens of several sequences (prefill, chunked prefill, forced text)
     DECODE = "decode"  # exactly one new token per sequence
 
@@ -51,10 +53,12 @@ class ForwardBatch:
 
     @property
     def batch_size(self) -> int:
+        """B, the sequences in the pass."""
         return len(self.req_ids)
 
     @property
     def num_tokens(self) -> int:
+        """T, the new tokens in the pass."""
         return int(self.input_ids.numel())
 
 

@@ -66,6 +66,7 @@ class QuantizedWeight:
 
     @property
     def shape(self) -> torch.Size:
+        """The weight's [out_features, in_features]."""
         return self.q.shape
 
     def dequantize(self) -> torch.Tensor:
@@ -274,6 +275,7 @@ class QuantLinear(nn.Module):
 
     @property
     def nbytes(self) -> int:
+        """Bytes the layer's weights take in memory (packed, scales, any dense copy)."""
         return sum(b.nbytes for b in (self.packed, self.scales_and_zeros, self.dense)
                    if b is not None)
 
@@ -286,6 +288,9 @@ class QuantLinear(nn.Module):
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """y = x W^T + b for x [..., in_features] (float32 or bfloat16) -> [..., out_features]
+        in x's dtype: the native kernel, a dense bf16 copy for long extends where one is kept,
+        else torch's packed op."""
         shape = x.shape
         if self.native:
             dense = self.dense
@@ -327,6 +332,7 @@ class QuantLinear(nn.Module):
         return y if bias is None else y + bias.to(y.dtype)
 
     def extra_repr(self) -> str:
+        """Shapes, kind and where the weights came from, for print(model)."""
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"kind={self.kind}, source={self.source}, native={self.native}")
 
@@ -368,6 +374,8 @@ class QuantEmbedding(nn.Module):
         return out
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """The embedding rows of token ids ``ids`` ([T] int64) -> [T, H] in ``dtype``,
+        dequantized from their int8 or int4 rows."""
         if self.q is None:
             from kernels.cpu import vnni_int8_rows
 

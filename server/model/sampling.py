@@ -45,6 +45,8 @@ class SampleOutput:
 
 
 def make_generator(seed: int | None) -> torch.Generator | None:
+    """A CPU generator seeded with ``seed`` (taken mod 2^64) for a seeded request; None
+    (the sampler's shared generator) for an unseeded one."""
     if seed is None:
         return None
     g = torch.Generator()

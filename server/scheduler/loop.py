@@ -188,6 +188,8 @@ class SchedulerLoop:
 
     # ------------------------------------------------------------------ the loop
     def run_once(self) -> None:
+        """One iteration: take messages (blocking while idle), admit parked requests that are
+        ready, run one :meth:`Engine.step` and send its outputs."""
         sched = self.engine.scheduler
         self._drain(block=not sched.has_work)
         if self.preparing:

@@ -30,6 +30,7 @@ class SchedulerStats:
 
     @property
     def cache_hit_rate(self) -> float:
+        """Prompt tokens served from the radix cache over all prompt tokens (0 when none)."""
         return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 

@@ -73,6 +73,7 @@ def dfs_weight(waiting: Sequence[Req], prefix_info: PrefixInfo) -> list[Req]:
 
 
 def random_order(waiting: Sequence[Req], rng: _random.Random) -> list[Req]:
+    """The waiting requests shuffled by ``rng`` (a baseline for the cache-aware orders)."""
     out = list(waiting)
     rng.shuffle(out)
     return out

@@ -20,6 +20,9 @@ from server.model.sampling import SamplingParams, SamplingState, make_generator
 
 
 class ReqStatus(enum.Enum):
+    """Where a request is in its life: waiting -> prefilling -> running -> finished (a
+    retracted request goes back to waiting with its outputs)."""
+
     WAITING = "waiting"      # queued; holds no KV
     PREFILLING = "prefilling"  # admitted; prompt partly computed (chunked prefill)
     RUNNING = "running"      # decoding
@@ -37,6 +40,7 @@ class FinishReason:
     status: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
+        """The finish reason as the APIs send it: ``type`` and the fields that are set."""
         d: dict[str, Any] = {"type": self.type}
         if self.matched is not None:
             d["matched"] = self.matched
@@ -59,6 +63,11 @@ class LogprobOptions:
 
 @dataclass
 class Req:
+    """One request inside the scheduler: its token ids (prompt ``input_ids``, generated
+    ``output_ids``), sampling parameters and state, status, KV progress (``computed_len``
+    tokens of ``fill_ids`` have KV in the pool), grammar cursor, pending draft, logprob
+    results and timing (seconds, monotonic clock)."""
+
     rid: str
     input_ids: list[int]
     params: SamplingParams
@@ -90,6 +99,7 @@ class Req:
 
     @property
     def fill_ids(self) -> list[int]:
+        """Prompt then output token ids: the sequence whose KV the request needs."""
         return self.input_ids + self.output_ids
 
     @property
@@ -105,18 +115,22 @@ class Req:
 
     @property
     def fill_len(self) -> int:
+        """len(fill_ids), without building the list."""
         return len(self.input_ids) + len(self.output_ids)
 
     @property
     def finished(self) -> bool:
+        """True once the request has a finish reason and left the batch."""
         return self.status is ReqStatus.FINISHED
 
     @property
     def remaining_new_tokens(self) -> int:
+        """Tokens it may still generate (max_new_tokens minus those generated)."""
         return self.params.max_new_tokens - len(self.output_ids)
 
     @property
     def wants_input_logprobs(self) -> bool:
+        """Whether prompt logprobs were asked for (return_logprob with a start position)."""
         return self.logprobs.return_logprob and self.logprobs.logprob_start_len >= 0
 
     def banned_ids(self) -> tuple[int, ...]:

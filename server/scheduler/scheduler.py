@@ -155,6 +155,7 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
+        """Requests are waiting, prefilling or running."""
         return bool(self.waiting or self.prefilling or self.running)
 
     # ---------------------------------------------------------------- one step
