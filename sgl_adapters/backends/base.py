@@ -60,7 +60,9 @@ class Backend(Protocol):
     is_chat_model: bool
 
     @property
-    def chat_template(self) -> ChatTemplate: ...
+    def chat_template(self) -> ChatTemplate:
+        """The role markers text prompts are rendered with."""
+        ...
 
     def generate(self, call: GenCall) -> GenResult:
         """Raises BackendError."""
@@ -75,4 +77,6 @@ class Backend(Protocol):
     def cache_prefix(self, text: str) -> None:
         """Hint: compute and cache ``text`` now (a prefill-only request); no-op if unsupported."""
 
-    def shutdown(self) -> None: ...
+    def shutdown(self) -> None:
+        """Close connections (and stop a server this backend started)."""
+        ...

@@ -65,6 +65,7 @@ class OpenAI:
 
     @property
     def chat_template(self) -> ChatTemplate:
+        """The role markers given at construction (plain ones by default)."""
         return self._template
 
     def _count(self, usage: Any) -> None:
@@ -106,6 +107,7 @@ class OpenAI:
         return (choice.message.content or "") if self.is_chat_model else choice.text
 
     def generate(self, call: GenCall) -> GenResult:
+        """One completion (chat or text) of ``call``; usage counted. Raises BackendError."""
         resp = self._request(call)
         self._count(resp.usage)
         choice = resp.choices[0]
@@ -116,6 +118,8 @@ class OpenAI:
         return GenResult(self._text(choice), meta)
 
     def generate_stream(self, call: GenCall) -> Iterator[str | GenResult]:
+        """Text deltas as they stream, then the GenResult (usage counted from the final chunk).
+        Raises BackendError."""
         stream = self._request(call, stream=True, stream_options={"include_usage": True})
         parts, usage, finish = [], None, None
         try:
@@ -134,6 +138,9 @@ class OpenAI:
 
     def select(self, call: GenCall, choices: tuple[str, ...], method: str,
                temperature: float = 0.0) -> SelectResult:
+        """The choice with the best (normalized) logprob, scored with ``echo`` + ``logprobs``
+        on a completions endpoint; a chat model generates an answer and the choice it starts
+        with most closely wins ("generate_and_match"). Raises BackendError."""
         if self.is_chat_model:
             return self._select_by_generation(call, choices)
         try:
@@ -174,4 +181,5 @@ class OpenAI:
         """No-op: a generic endpoint has no cache hint."""
 
     def shutdown(self) -> None:
+        """Close the HTTP client."""
         self.client.close()

@@ -59,6 +59,7 @@ class RuntimeEndpoint:
         return r.json()
 
     def get_model_info(self) -> dict[str, Any]:
+        """The server's /get_model_info, fetched once. Raises BackendError."""
         if self._model_info is None:
             try:
                 r = self._http.get("/get_model_info")
@@ -77,6 +78,7 @@ class RuntimeEndpoint:
 
     @property
     def chat_template(self) -> ChatTemplate:
+        """Role markers rendered from the server model's Jinja chat template (fetched once)."""
         if self._template is None:
             self._template = ChatTemplate.from_jinja(self.get_model_info().get("chat_template"))
         return self._template
@@ -92,10 +94,12 @@ class RuntimeEndpoint:
         return body
 
     def generate(self, call: GenCall) -> GenResult:
+        """One /generate of ``call``: its text and meta_info. Raises BackendError."""
         out = self._post("/generate", self._body(call))
         return GenResult(out["text"], out["meta_info"])
 
     def generate_stream(self, call: GenCall) -> Iterator[str | GenResult]:
+        """A streamed /generate: text deltas, then the GenResult. Raises BackendError."""
         body = {**self._body(call), "stream": True}
         sent, last = 0, None
         try:
@@ -121,6 +125,9 @@ class RuntimeEndpoint:
 
     def select(self, call: GenCall, choices: tuple[str, ...], method: str,
                temperature: float = 0.0) -> SelectResult:
+        """SGLang's select: the prompt is prefilled once (cached), then every ``call.text +
+        choice`` is scored by prefill-only prompt logprobs over the choice's tokens, and
+        :func:`sgl_adapters.lang.choices.choose` picks by ``method``. Raises BackendError."""
         prompt = self._post("/generate", {"text": call.text,
                                           "sampling_params": {"max_new_tokens": 0}})
         start = max(prompt["meta_info"]["prompt_tokens"] - BOUNDARY_TOKENS, 0)
@@ -150,13 +157,16 @@ class RuntimeEndpoint:
         return [[lp for lp, _, _ in e] for e in entries], entries
 
     def cache_prefix(self, text: str) -> None:
+        """Prefill ``text`` now (a max_new_tokens 0 request), so later calls reuse its KV."""
         if text:
             self._post("/generate", {"text": text, "sampling_params": {"max_new_tokens": 0}})
 
     def flush_cache(self) -> None:
+        """Empty the server's radix cache. Raises BackendError while requests run."""
         self._post("/flush_cache", {})
 
     def shutdown(self) -> None:
+        """Close the HTTP client (the server keeps running)."""
         self._http.close()
 
 

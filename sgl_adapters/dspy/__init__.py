@@ -76,6 +76,7 @@ class SGLangLM(dspy.LM):
 
     @property
     def sglang_engine(self) -> SGLangEngine:
+        """The engine behind this LM (its backend, prefix hints and lowering switch)."""
         return self.engine
 
 

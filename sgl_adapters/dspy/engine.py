@@ -93,15 +93,19 @@ class SGLangEngine:
 
     # -- persistence (dspy saves the engine's class path and this state; never the key) ---------
     def dump_state(self) -> dict[str, Any]:
+        """What DSPy saves of this engine (never the API key)."""
         return {"base_url": self.base_url, "model": self.model, "lowering": self.lowering,
                 "timeout": self.timeout}
 
     @classmethod
     def load_state(cls, state: dict[str, Any]) -> SGLangEngine:
+        """The engine :meth:`dump_state` described."""
         return cls(**state)
 
     # -- contract ------------------------------------------------------------------------------
     def complete(self, request) -> Response:
+        """DSPy's engine contract: one request, one response; a ChatAdapter request runs as
+        a lowered program, anything else on the OpenAI route. Raises dspy.lm15 errors."""
         try:
             plan = self._plan(request)
             if plan is not None:
@@ -111,6 +115,8 @@ class SGLangEngine:
             raise _lm15_error(exc) from exc
 
     def stream(self, request) -> Iterator:
+        """The response as dspy.lm15 stream events (a lowered program's text as it is
+        generated, its markers included). Raises dspy.lm15 errors."""
         try:
             yield from self._stream(request)
         except sgl.BackendError as exc:
@@ -141,6 +147,7 @@ class SGLangEngine:
         yield StreamEndEvent(finish_reason=response.finish_reason, usage=response.usage)
 
     def close(self) -> None:
+        """Close both HTTP clients."""
         self.backend.shutdown()
         self.client.close()
 
@@ -287,16 +294,20 @@ class AsyncSGLangEngine:
         self.sync = sync
 
     def dump_state(self) -> dict[str, Any]:
+        """The sync engine's state."""
         return self.sync.dump_state()
 
     @classmethod
     def load_state(cls, state: dict[str, Any]) -> AsyncSGLangEngine:
+        """An async engine around the sync engine :meth:`dump_state` described."""
         return cls(cls.sync_class.load_state(state))
 
     async def complete(self, request) -> Response:
+        """The sync engine's complete() on a worker thread."""
         return await asyncio.to_thread(self.sync.complete, request)
 
     async def stream(self, request):
+        """The sync engine's stream events, each taken on a worker thread."""
         it = self.sync.stream(request)
         done = object()
         while True:
@@ -306,4 +317,5 @@ class AsyncSGLangEngine:
             yield event
 
     async def aclose(self) -> None:
+        """The sync engine's close() on a worker thread."""
         await asyncio.to_thread(self.sync.close)

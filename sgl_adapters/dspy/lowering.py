@@ -88,6 +88,9 @@ class OutputField:
     max_words: int | None = None
 
     def expr(self, max_tokens: int) -> ir.Expr:
+        """The primitive that produces this field (``max_tokens`` bounds free text and
+        JSON): select, a regex gen for int/float, a JSON-schema gen, a span gen, or a gen up
+        to the next field marker."""
         if self.kind == "select":
             return sgl.select(self.name, self.choices)
         if self.kind in ("int", "float"):

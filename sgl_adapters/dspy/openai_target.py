@@ -170,17 +170,23 @@ class OpenAITargetEngine:
                                     timeout=timeout, max_retries=0)
 
     def dump_state(self) -> dict[str, Any]:
+        """What DSPy saves of this engine (never the API key)."""
         return {"base_url": self.base_url, "model": self.model,
                 "structured_outputs": self.structured_outputs, "timeout": self.timeout}
 
     @classmethod
     def load_state(cls, state: dict[str, Any]) -> OpenAITargetEngine:
+        """The engine :meth:`dump_state` described."""
         return cls(**state)
 
     def close(self) -> None:
+        """Close the HTTP client."""
         self.client.close()
 
     def complete(self, request) -> Response:
+        """DSPy's engine contract: one request, one response. A ChatAdapter request becomes
+        one call holding every output field, checked field by field; anything else goes to the
+        chat route as it is."""
         fields = self._fields(request)
         if fields is None:
             return chat_response(self._create(openai_kwargs(request, self.model),
@@ -188,6 +194,8 @@ class OpenAITargetEngine:
         return self._speculate(request, fields)
 
     def stream(self, request) -> Iterator:
+        """The complete response as stream events (the fields are checked before any is
+        sent)."""
         yield from response_to_events(self.complete(request))
 
     # -- the one-call program --------------------------------------------------------------------

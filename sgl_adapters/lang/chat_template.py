@@ -26,9 +26,11 @@ class ChatTemplate:
     default_system: str = ""
 
     def prefix(self, role: str) -> str:
+        """The text that opens a ``role`` turn. Raises KeyError for an unknown role."""
         return self.roles[role][0]
 
     def suffix(self, role: str) -> str:
+        """The text that closes a ``role`` turn. Raises KeyError for an unknown role."""
         return self.roles[role][1]
 
     def turn(self, role: str, content: str) -> str:

@@ -66,6 +66,8 @@ class StreamExecutor:
 
     # -- queue ---------------------------------------------------------------------------------
     def submit(self, expr: ir.Expr) -> None:
+        """Queue ``expr`` for this stream's worker. Raises ProgramError once the program has
+        ended."""
         with self._cond:
             if self.finished:
                 raise ProgramError("this state's program has ended; append before run() returns")
@@ -84,6 +86,7 @@ class StreamExecutor:
             child.end()
 
     def fail(self, error: BaseException) -> None:
+        """Record the stream's first error (later expressions are skipped) and wake waiters."""
         with self._cond:
             if self.error is None:
                 self.error = error
@@ -259,9 +262,11 @@ class ProgramState(RoleScopes):
         return self._ex.wait_var(name)
 
     def get_var(self, name: str) -> Any:
+        """As ``s[name]``: the variable's value, once generated (blocks until then)."""
         return self._ex.wait_var(name)
 
     def set_var(self, name: str, value: Any) -> None:
+        """Set variable ``name`` after everything queued so far has run."""
         self._ex.sync()
         self._ex.variables[name] = value
 
@@ -272,10 +277,12 @@ class ProgramState(RoleScopes):
         return self._ex.meta_info.get(name)
 
     def sync(self) -> ProgramState:
+        """Wait until everything queued so far has run."""
         self._ex.sync()
         return self
 
     def text(self) -> str:
+        """The whole text so far (prompt and generations, role markers included)."""
         self._ex.sync()
         return self._ex.text
 
@@ -285,10 +292,12 @@ class ProgramState(RoleScopes):
         return list(self._ex.messages)
 
     def error(self) -> BaseException | None:
+        """The error that ended the program (a BackendError, a failed conversion), else None."""
         self._ex.sync()
         return self._ex.error
 
     def variables(self) -> dict[str, Any]:
+        """Every variable set so far, by name."""
         self._ex.sync()
         return dict(self._ex.variables)
 

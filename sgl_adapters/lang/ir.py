@@ -56,6 +56,7 @@ class SamplingArgs:
         return dataclasses.replace(self, **unset)
 
     def stops(self) -> tuple[str, ...]:
+        """The stop strings as a tuple (``stop`` may be one string, a list, or None)."""
         if self.stop is None:
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
@@ -90,11 +91,15 @@ class Expr:
 
 @dataclass(frozen=True)
 class Text(Expr):
+    """Constant text appended to the state."""
+
     value: str
 
 
 @dataclass(frozen=True)
 class Concat(Expr):
+    """Expressions appended in order (``a + b``)."""
+
     parts: tuple[Expr, ...]
 
 
@@ -130,11 +135,15 @@ def convert(value: str, dtype: type | None) -> Any:
 
 @dataclass(frozen=True)
 class RoleBegin(Expr):
+    """Open a ``role`` turn (its chat-template prefix)."""
+
     role: str
 
 
 @dataclass(frozen=True)
 class RoleEnd(Expr):
+    """Close a ``role`` turn (its chat-template suffix)."""
+
     role: str
 
 

@@ -23,12 +23,15 @@ class RoleScopes:
         self._submit(ir.RoleEnd(role))
 
     def system(self):
+        """``with s.system(): ...``: what is appended inside is a system turn."""
         return self._role("system")
 
     def user(self):
+        """``with s.user(): ...``: what is appended inside is a user turn."""
         return self._role("user")
 
     def assistant(self):
+        """``with s.assistant(): ...``: what is appended inside is an assistant turn."""
         return self._role("assistant")
 
 

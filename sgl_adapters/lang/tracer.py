@@ -38,6 +38,7 @@ class Placeholder(str):
     is used; every operation that needs the actual value raises :class:`NotTraceable`."""
 
     def __new__(cls, pid: int, label: str) -> Placeholder:
+        """Placeholder number ``pid`` standing for ``label`` (e.g. "argument 'question'")."""
         obj = super().__new__(cls, _MARK.format(pid))
         obj.__dict__.update(pid=pid, label=label)
         return obj
@@ -92,6 +93,7 @@ class TracedProgram:
         return "".join(out)
 
     def nodes(self, kind: str) -> list[Node]:
+        """Every node of ``kind`` ("text", "gen", "select", "fork", ...) over all streams."""
         return [n for stream in self.streams for n in stream if n.kind == kind]
 
     def __str__(self) -> str:
@@ -189,20 +191,26 @@ class TracerState(RoleScopes):
     get_var = __getitem__
 
     def get_meta_info(self, name: str) -> Any:
+        """Not traceable: raises NotTraceable."""
         raise NotTraceable(f"the program reads the meta info of {name!r}")
 
     def text(self) -> str:
+        """Not traceable: raises NotTraceable."""
         raise NotTraceable("the program reads the generated text")
 
     messages = text
 
     def sync(self) -> TracerState:
+        """Nothing runs while tracing: the state itself."""
         return self
 
     def set_var(self, name: str, value: Any) -> None:
+        """Not traceable: raises NotTraceable."""
         raise NotTraceable("the program sets variables from Python values")
 
     def fork(self, size: int) -> TracerGroup:
+        """Record a fork into ``size`` new streams. Raises NotTraceable when ``size`` is not
+        a constant int."""
         if not isinstance(size, int):
             raise NotTraceable("fork size depends on data")
         sids = [self._tracer.new_stream(self._sid) for _ in range(size)]
@@ -215,6 +223,8 @@ class TracerGroup(StateGroup):
     """The traced forks; ``join`` records the variables they gather."""
 
     def join(self, mode: str = "gather_variable") -> None:
+        """Record the join; with "gather_variable" the parent's ``s[name]`` reads the forks'
+        values."""
         tracer = self.parent._tracer
         deps = [(s._sid, n.label) for s in self.states
                 for n in tracer.streams[s._sid] if n.kind in ("gen", "select") and n.label]

@@ -99,6 +99,7 @@ class ChatSGLang(BaseChatModel):
 
     @property
     def lc_secrets(self) -> dict[str, str]:
+        """LangChain's secret fields and the environment variables they come from."""
         return {"api_key": "SGLANG_API_KEY"}
 
     # -- clients -------------------------------------------------------------------------------
@@ -109,18 +110,22 @@ class ChatSGLang(BaseChatModel):
 
     @property
     def client(self) -> openai.OpenAI:
+        """The sync openai client on the server's /v1 (created on first use)."""
         if self._client is None:
             self._client = openai.OpenAI(**self._client_kwargs())
         return self._client
 
     @property
     def async_client(self) -> openai.AsyncOpenAI:
+        """The async openai client on the server's /v1 (created on first use)."""
         if self._async_client is None:
             self._async_client = openai.AsyncOpenAI(**self._client_kwargs())
         return self._async_client
 
     @property
     def hints(self) -> PrefixHints:
+        """The prefix hinter that prefills a batch's shared prefix once (created on first
+        use)."""
         if self._hints is None:
             key = self.api_key.get_secret_value() if self.api_key else None
             self._hints = PrefixHints(RuntimeEndpoint(self.base_url, api_key=key,
@@ -258,12 +263,14 @@ class ChatSGLang(BaseChatModel):
 
     def batch(self, inputs: list[LanguageModelInput], config: RunnableConfig | list[RunnableConfig]
               | None = None, *, return_exceptions: bool = False, **kwargs: Any) -> list[Any]:
+        """LangChain's batch, after the inputs' shared prompt prefix is prefilled once."""
         self._hint_shared_prefix(inputs)
         return super().batch(inputs, config, return_exceptions=return_exceptions, **kwargs)
 
     async def abatch(self, inputs: list[LanguageModelInput], config: RunnableConfig
                      | list[RunnableConfig] | None = None, *, return_exceptions: bool = False,
                      **kwargs: Any) -> list[Any]:
+        """LangChain's abatch, after the inputs' shared prompt prefix is prefilled once."""
         import asyncio
 
         await asyncio.to_thread(self._hint_shared_prefix, inputs)

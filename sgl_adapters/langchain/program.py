@@ -55,12 +55,15 @@ class ProgramRunnable(RunnableSerializable[dict, dict]):
         return values if self.outputs is None else {k: values[k] for k in self.outputs}
 
     def invoke(self, input: dict, config: RunnableConfig | None = None, **kwargs: Any) -> dict:
+        """Run the program on ``input`` (its arguments); its variables (``outputs`` of them
+        when given). Raises the program's error."""
         return self._call_with_config(
             lambda x: self._result(self.program.run(backend=self.backend, **self.sampling, **x)),
             input, config)
 
     def batch(self, inputs: list[dict], config: RunnableConfig | list[RunnableConfig] | None = None,
               *, return_exceptions: bool = False, **kwargs: Any) -> list[Any]:
+        """Run the program on every input with ``run_batch`` (a shared prefix sent once)."""
         states = self.program.run_batch(list(inputs), progress_bar=False, backend=self.backend,
                                         **self.sampling)
         out = []
