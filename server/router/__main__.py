@@ -1,7 +1,7 @@
 """``python -m server.router --worker-urls URL [URL ...]``: the data-parallel router.
 
 Workers are ordinary servers (``python -m server``), on this machine or others; the router
-passes the native and OpenAI APIs through to them (see :mod:`server.router.app`).
+passes the native and OpenAI APIs through to them (see :mod:`server.router.router`).
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ def run_router(urls: list[str], host: str, port: int, policy: str = "cache_aware
     exit code."""
     import uvicorn
 
-    from server.router.app import Router, create_router_app
+    from server.router.app import create_router_app
+    from server.router.router import Router
 
     router = Router(urls, policy, chars_per_token, health_interval, parent_pid=parent_pid)
     print(f"sgl-adapters router ready: http://{host}:{port} ({policy}, {len(urls)} workers)",

@@ -15,8 +15,8 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from server.router.app import request_key
 from server.router.policy import CacheAware, RoundRobin, WorkerState
+from server.router.router import request_key
 from server.router.tree import PrefixTree
 from sgl_adapters.backends.runtime import Runtime
 from tests.live_server import REPO_ROOT, free_port
