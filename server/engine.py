@@ -15,7 +15,6 @@ entries being ``(logprob, token_id, None)`` as SGLang's ``Engine`` returns them.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import logging
 import threading
@@ -35,24 +34,12 @@ from server.config import DEFAULT_NGRAM_TOKENS, ConfigError, EngineConfig
 from server.constrained.grammar import GrammarCompiler, make_spec
 from server.constrained.reasoning import ReasoningGatedMatcher
 from server.detokenizer import OutputText, StopRegexTimeout
-from server.model.forward_batch import ImageInput
+from server.images import EngineImages
 from server.model.loader import load_model
-from server.model.parallel import TPGroup, TPShard
 from server.model.runner import ModelRunner
 from server.model.sampling import Sampler, SamplingParams
-from server.model.tp_group import (
-    TensorParallelError,
-    device_of,
-    free_init_addr,
-    heartbeat,
-    init_process_group,
-    leave_process_group,
-    send_batch,
-    share_config,
-    threads_per_rank,
-)
-from server.model.tp_worker import start_local_workers
-from server.multimodal import ImageError, check_image, expand_image_tokens, vision_spec
+from server.model.tp_worker import RankZero
+from server.multimodal import vision_spec
 from server.resolve import resolve
 from server.scheduler.outputs import TokenDelta
 from server.scheduler.request import LogprobOptions, Req
@@ -100,7 +87,9 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         self.model_name = mc.served_model_name or loaded.name
         self.context_len = mc.context_length
-        self.tp, self.tp_workers = self._start_tensor_parallel(loaded.arch)
+        self._ranks = RankZero(self.config, loaded.arch) if self.config.parallel.tp_size > 1 \
+            else None  # tensor parallelism: this process is rank 0 of the group
+        self.tp = self._ranks.group if self._ranks is not None else None
         self.kv_pool = TokenKVPool(cc.max_total_tokens, loaded.arch.num_layers,
                                    len(self.tp.shard.kv_heads) if self.tp
                                    else loaded.arch.num_kv_heads, loaded.arch.head_dim,
@@ -132,11 +121,9 @@ class Engine:
         self.eos_ids = frozenset(self._eos_ids())
         self._grammars: GrammarCompiler | None = None
         self._grammars_lock = threading.Lock()
-        self.vision_spec = vision_spec(loaded.vision) if loaded.vision is not None else None
-        self._image_processor = None
-        self._image_lock = threading.Lock()
-        self._image_pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._model_path = loaded.path
+        self.images = EngineImages(vision_spec(loaded.vision) if loaded.vision is not None
+                                   else None, loaded.path, loaded.tokenizer.bos_token_id)
+        self.vision_spec = self.images.spec
         if self.runner.compiled:
             self._warm_up()
 
@@ -168,35 +155,10 @@ class Engine:
         # with only a disk tier, a small host tier stages the pages read ahead from disk
         return KVTiers(HostTier(host_bytes or 256 << 20), disk)
 
-    def _start_tensor_parallel(self, arch) -> tuple[TPGroup | None, list]:
-        """With ``parallel.tp_size`` > 1: spawn this node's other ranks, join the group as rank
-        0, share the resolved config, and give this process its share of the cores. Raises
-        ConfigError (not node 0), UnsupportedModelError (heads that cannot be split)."""
-        pc, mc = self.config.parallel, self.config.model
-        if pc.tp_size == 1:
-            return None, []
-        if pc.node_rank != 0:
-            raise ConfigError("the engine runs on node 0; start other nodes with "
-                              "`python -m server --node-rank N ...`")
-        shards = [TPShard.plan(arch, r, pc.tp_size) for r in range(pc.tp_size)]
-        addr = pc.dist_init_addr or free_init_addr()
-        workers = start_local_workers(pc, addr, "cuda" if mc.device.startswith("cuda")
-                                      else "cpu")
-        init_process_group(pc, 0, addr, device_of(mc.device, pc, 0), workers)
-        share_config(self.config)
-        torch.set_num_threads(threads_per_rank(pc))
-        return TPGroup(shards[0]), workers
-
     def check_parallel(self) -> None:
-        """Between steps: raise TensorParallelError if a tensor-parallel rank died (one of
-        this node's processes, or any rank, through the idle heartbeat)."""
-        if self.tp is None:
-            return
-        for p in self.tp_workers:
-            if not p.is_alive():
-                raise TensorParallelError(f"tensor-parallel rank process {p.name} exited "
-                                          f"(code {p.exitcode}); stopping")
-        heartbeat(self.tp)
+        """Between steps: raise TensorParallelError if a tensor-parallel rank died."""
+        if self._ranks is not None:
+            self._ranks.check()
 
     def close(self) -> None:
         """Stop the grammar compile processes and the tensor-parallel ranks, and leave the
@@ -205,15 +167,9 @@ class Engine:
             if self._grammars is not None:
                 self._grammars.close()
                 self._grammars = None
-        if self.tp is None:
-            return
-        if all(p.is_alive() for p in self.tp_workers):
-            send_batch(self.tp, None)
-            for p in self.tp_workers:
-                p.join(30)
-        self.tp_workers = []
-        leave_process_group()
-        self.tp = None
+        if self._ranks is not None:
+            self._ranks.close()
+            self._ranks, self.tp = None, None
 
     def _warm_up(self) -> None:
         """Compile (or load from the cache) the graphs of a multi-token extend and a one-token
@@ -273,13 +229,13 @@ class Engine:
         only with requests of the same salt. ``reasoning`` (a
         :class:`server.protocol.ReasoningGate`) holds the grammar back while the model
         thinks. ``images``: (offset, radix key, encoded bytes) of each image of a prompt whose
-        image tokens are already expanded (:meth:`expand_images`); ``pixels``: their pixel
-        values when already computed (:meth:`preprocess_images_async`), else they are computed
+        image tokens are already expanded (``images.expand``); ``pixels``: their pixel
+        values when already computed (``images.preprocess_async``), else they are computed
         here. Raises GrammarError for a
         constraint that does not compile, InvalidRequestError for images a model cannot
         take."""
         ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        image_inputs = self._image_inputs(ids, images, pixels) if images else ()
+        image_inputs = self.images.inputs(ids, images, pixels) if images else ()
         grammar = (self.grammars.matcher(params.grammar, sorted(self.eos_ids))
                    if params.grammar is not None else None)
         if grammar is not None and reasoning is not None:
@@ -288,64 +244,6 @@ class Engine:
         return Req(rid=rid or uuid.uuid4().hex, input_ids=ids, params=params,
                    eos_ids=self.eos_ids, logprobs=logprobs, namespace=cache_salt,
                    grammar=grammar, images=image_inputs)
-
-    def expand_images(self, ids: Sequence[int], images: Sequence[bytes]
-                      ) -> tuple[list[int], list[tuple[int, int, bytes]]]:
-        """Check ``images`` (encoded bytes) and expand the prompt's image tokens
-        (:mod:`server.multimodal`); returns the ids and :meth:`make_request`'s ``images``.
-        Raises InvalidRequestError (param "image_data")."""
-        if self.vision_spec is None:
-            raise InvalidRequestError("image_data", "this model is text-only")
-        try:
-            keys = [check_image(b) for b in images]
-            ids, offsets = expand_image_tokens(ids, self.vision_spec, len(images),
-                                               self.tokenizer.bos_token_id)
-        except ImageError as exc:
-            raise InvalidRequestError("image_data", str(exc)) from exc
-        return ids, list(zip(offsets, keys, images))
-
-    def preprocess_images_async(self, images: Sequence[bytes]) -> concurrent.futures.Future:
-        """A future of the pixel values of ``images`` (encoded bytes, already checked), each
-        [1, 3, H, W] float32, computed by the checkpoint's image processor on a worker thread:
-        a large image takes ~0.3 s to decode and resize (4096x4096, measured), which must not
-        stall the scheduler loop. The future raises InvalidRequestError for a text-only model
-        or an image the processor cannot read."""
-        with self._image_lock:
-            if self._image_pool is None:
-                self._image_pool = concurrent.futures.ThreadPoolExecutor(
-                    1, thread_name_prefix="images")
-        return self._image_pool.submit(self.preprocess_images, list(images))
-
-    def preprocess_images(self, images: Sequence[bytes]) -> list[torch.Tensor]:
-        """Pixel values of each image (see :meth:`preprocess_images_async`), on this thread.
-        Raises InvalidRequestError."""
-        if self.vision_spec is None:
-            raise InvalidRequestError("image_data", "this model is text-only")
-        with self._image_lock:
-            if self._image_processor is None:
-                from server.model.vision import ImageProcessor
-
-                self._image_processor = ImageProcessor(self._model_path)
-        try:
-            return [self._image_processor(data) for data in images]
-        except Exception as exc:  # noqa: BLE001 - any decoder failure is the image's fault
-            raise InvalidRequestError("image_data", f"the image processor could not read an "
-                                      f"image: {type(exc).__name__}: {exc}") from exc
-
-    def _image_inputs(self, ids: list[int], images: Sequence[tuple[int, int, bytes]],
-                      pixels: Sequence[torch.Tensor] | None = None) -> tuple[ImageInput, ...]:
-        spec = self.vision_spec
-        if spec is None:
-            raise InvalidRequestError("image_data", "this model is text-only")
-        if pixels is None:
-            pixels = self.preprocess_images([data for _, _, data in images])
-        out = []
-        for (offset, key, _), values in zip(images, pixels):
-            n = spec.tokens_per_image
-            if ids[offset:offset + n] != [spec.image_token_id] * n:
-                raise InvalidRequestError("image_data", f"no run of {n} image tokens at {offset}")
-            out.append(ImageInput(offset, n, key, values))
-        return tuple(out)
 
     # ---------------------------------------------------------------- generation
     def generate(self, prompt: Prompt | Sequence[Prompt] | None = None,
@@ -378,7 +276,7 @@ class Engine:
             if not single:
                 raise InvalidRequestError("image_data", "images go with a single prompt")
             p = prompts[0]
-            prompts[0], images = self.expand_images(
+            prompts[0], images = self.images.expand(
                 self.encode(p) if isinstance(p, str) else list(p), image_data)
         reqs = []
         for p in prompts:

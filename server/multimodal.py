@@ -161,3 +161,15 @@ def expand_image_tokens(ids: Sequence[int], spec: VisionSpec, num_images: int,
         last = start + length
     out.extend(ids[last:])
     return out, offsets
+
+
+def expand_prompt_images(ids: Sequence[int], images: Sequence[bytes], spec: VisionSpec,
+                         bos_id: int | None = None
+                         ) -> tuple[list[int], list[tuple[int, int, bytes]]]:
+    """Check each image (encoded bytes, :func:`check_image`) and expand the prompt's image
+    tokens (:func:`expand_image_tokens`): the expanded ids and, per image, (offset of its token
+    run, radix-cache key, bytes). The one path both front ends (the HTTP process's tokenizer
+    manager and the offline Engine) take. Raises ImageError."""
+    keys = [check_image(b) for b in images]
+    ids, offsets = expand_image_tokens(ids, spec, len(images), bos_id)
+    return ids, list(zip(offsets, keys, images))

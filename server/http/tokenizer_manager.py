@@ -27,13 +27,7 @@ import zmq.asyncio
 from server import protocol as P
 from server.detokenizer import OutputText, StopRegexTimeout
 from server.http.outputs import coalesce, params_dict, with_text
-from server.multimodal import (
-    ImageError,
-    VisionSpec,
-    check_image,
-    expand_image_tokens,
-    image_bytes,
-)
+from server.multimodal import ImageError, VisionSpec, expand_prompt_images, image_bytes
 from server.reasoning import ReasoningParser
 from server.sampling_params import SamplingParams, SamplingParamsError
 from server.scheduler.validation import InvalidRequestError, validate_request
@@ -229,13 +223,10 @@ class TokenizerManager:
 
         def check() -> tuple[list[int], list[tuple[int, int, bytes]]]:
             try:
-                data = [image_bytes(x) for x in images]
-                keys = [check_image(d) for d in data]
-                expanded, offsets = expand_image_tokens(ids, self.vision, len(data),
-                                                        self.tokenizer.bos_token_id)
+                return expand_prompt_images(ids, [image_bytes(x) for x in images], self.vision,
+                                            self.tokenizer.bos_token_id)
             except ImageError as exc:
                 raise ApiError(400, f"{param}: {exc}", param=param) from exc
-            return expanded, list(zip(offsets, keys, data))
 
         return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, check)
 

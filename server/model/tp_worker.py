@@ -1,6 +1,8 @@
-"""The worker processes of tensor-parallel ranks 1..N-1: each joins the group, takes rank 0's
-config, loads its shard and runs every pass rank 0 broadcasts (:mod:`server.model.tp_group`)
-until rank 0 says stop or is gone.
+"""The processes of a tensor-parallel group: rank 0's side (:class:`RankZero`: spawn this
+node's other ranks, join, share the config, check them between steps, stop them) and the
+workers of ranks 1..N-1 (:func:`run_worker`: join, take rank 0's config, load the shard, run
+every pass rank 0 broadcasts through :mod:`server.model.tp_group` until it says stop or is
+gone).
 """
 
 from __future__ import annotations
@@ -12,19 +14,64 @@ import os
 import torch
 
 from server.cache.kv_pool import TokenKVPool
-from server.config import ParallelConfig
+from server.config import ConfigError, EngineConfig, ParallelConfig
 from server.model.loader import load_model
 from server.model.parallel import TPGroup, TPShard
 from server.model.runner import ModelRunner
 from server.model.tp_group import (
+    TensorParallelError,
     device_of,
+    free_init_addr,
+    heartbeat,
     init_process_group,
+    leave_process_group,
     recv_batch,
+    send_batch,
     share_config,
     threads_per_rank,
 )
 
 log = logging.getLogger("server.model.tp")
+
+
+class RankZero:
+    """This process as rank 0 of a ``parallel.tp_size`` > 1 group (the engine's side): spawns
+    this node's other ranks, joins the group, shares the resolved config and takes this
+    process's share of the cores. ``group`` is the TPGroup the model runs with. Raises
+    ConfigError (not node 0), UnsupportedModelError (heads that cannot be split),
+    TensorParallelError (a rank that does not join)."""
+
+    def __init__(self, config: EngineConfig, arch) -> None:
+        pc, mc = config.parallel, config.model
+        if pc.node_rank != 0:
+            raise ConfigError("the engine runs on node 0; start other nodes with "
+                              "`python -m server --node-rank N ...`")
+        shards = [TPShard.plan(arch, r, pc.tp_size) for r in range(pc.tp_size)]
+        addr = pc.dist_init_addr or free_init_addr()
+        self.workers = start_local_workers(pc, addr, "cuda" if mc.device.startswith("cuda")
+                                           else "cpu")
+        init_process_group(pc, 0, addr, device_of(mc.device, pc, 0), self.workers)
+        share_config(config)
+        torch.set_num_threads(threads_per_rank(pc))
+        self.group = TPGroup(shards[0])
+
+    def check(self) -> None:
+        """Raise TensorParallelError if a rank died: one of this node's processes, or any
+        rank, through the idle heartbeat."""
+        for p in self.workers:
+            if not p.is_alive():
+                raise TensorParallelError(f"tensor-parallel rank process {p.name} exited "
+                                          f"(code {p.exitcode}); stopping")
+        heartbeat(self.group)
+
+    def close(self) -> None:
+        """Tell the ranks to stop, join this node's, and leave the group."""
+        if all(p.is_alive() for p in self.workers):
+            send_batch(self.group, None)
+            for p in self.workers:
+                p.join(30)
+        self.workers = []
+        leave_process_group()
 
 
 def run_worker(rank: int, pc: ParallelConfig, init_addr: str, device: str, threads: int,

@@ -93,7 +93,7 @@ class SchedulerLoop:
                 if params.grammar is not None else None
         except _REFUSED as exc:
             return self._refuse(msg.rid, exc)
-        pixels = self.engine.preprocess_images_async([im.data for im in msg.images]) \
+        pixels = self.engine.images.preprocess_async([im.data for im in msg.images]) \
             if msg.images else None
         if (grammar is not None and not grammar.done()) or pixels is not None:
             self.preparing[msg.rid] = (msg, params, grammar, pixels, time.monotonic())

@@ -23,7 +23,7 @@ def test_logits_match_transformers_for_image_and_text(tiny_llava, engine):
     within 1e-4 of transformers in fp32."""
     path, hf = tiny_llava
     text = engine.encode("Describe <image> in one word:")
-    ids, images = engine.expand_images(text, [png(1)])
+    ids, images = engine.images.expand(text, [png(1)])
     assert ids.count(IMAGE_TOKEN) == engine.vision_spec.tokens_per_image == 4
     out = engine.generate(input_ids=ids, image_data=[png(1)], return_logprob=True,
                           logprob_start_len=0, sampling_params={"max_new_tokens": 1,

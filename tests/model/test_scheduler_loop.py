@@ -172,9 +172,9 @@ def test_image_preprocessing_does_not_stall_other_requests(llava_loop):
     Image.new("RGB", (4096, 4096), (9, 99, 199)).save(buf, format="PNG")
     images = [buf.getvalue()] * 4  # the largest allowed: ~0.1 s or more each to decode, resize
     image = lp.engine.vision_spec.image_token_id
-    prompt, parts = lp.engine.expand_images([1, 2] + [image, 3] * 4, images)
+    prompt, parts = lp.engine.images.expand([1, 2] + [image, 3] * 4, images)
     start = time.perf_counter()
-    lp.engine.preprocess_images(images)
+    lp.engine.images.preprocess(images)
     cost = time.perf_counter() - start
     to_loop.send(P.encode(P.GenerateReq(
         "img", prompt, {"max_new_tokens": 3, "temperature": 0},
