@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from server.http.errors import ApiError
 from server.http.schemas import (
     MAX_BATCH,
     ChatCompletionRequest,
@@ -21,7 +22,7 @@ from server.http.schemas import (
     GenerateRequest,
     _OpenAISampling,
 )
-from server.http.tokenizer_manager import ApiError, GenerateInput, TokenizerManager
+from server.http.tokenizer_manager import GenerateInput, TokenizerManager
 from server.http.tools import call_schema, forced_names, parse_tools, tools_system_prompt
 from server.sampling_params import SamplingParams, SamplingParamsError
 

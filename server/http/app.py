@@ -18,10 +18,9 @@ from server.http import native_routes, openai_routes, ops_routes, responses_rout
 from server.http.auth import APIKeyMiddleware
 from server.http.body import document_bodies
 from server.http.drain import Drain, DrainGate
-from server.http.errors import error_response
-from server.http.responses import api_error_response
+from server.http.errors import ApiError, api_error_response, error_response
 from server.http.responses_items import ResponseStore
-from server.http.tokenizer_manager import ApiError, TokenizerManager
+from server.http.tokenizer_manager import TokenizerManager
 
 
 class BodySizeLimit:

@@ -27,7 +27,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ValidationError
 from pydantic.json_schema import models_json_schema
 
-from server.http.tokenizer_manager import ApiError
+from server.http.errors import ApiError
 
 M = TypeVar("M", bound=BaseModel)
 

@@ -30,6 +30,7 @@ from fastapi.responses import StreamingResponse
 from server import protocol as P
 from server.http.admission import admit_generate
 from server.http.body import body_of
+from server.http.errors import ApiError
 from server.http.responses import (
     SSE_DONE,
     check_finish,
@@ -41,7 +42,7 @@ from server.http.responses import (
     start_streams,
 )
 from server.http.schemas import AbortRequest, GenerateRequest
-from server.http.tokenizer_manager import ApiError, TokenizerManager
+from server.http.tokenizer_manager import TokenizerManager
 from server.reasoning import split
 
 router = APIRouter()

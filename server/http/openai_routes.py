@@ -26,6 +26,7 @@ from fastapi.responses import StreamingResponse
 from server import protocol as P
 from server.http.admission import admit_chat, admit_completion
 from server.http.body import body_of
+from server.http.errors import ApiError
 from server.http.responses import (
     SSE_DONE,
     check_finish,
@@ -40,7 +41,7 @@ from server.http.responses import (
     usage,
 )
 from server.http.schemas import ChatCompletionRequest, CompletionRequest, _OpenAISampling
-from server.http.tokenizer_manager import ApiError, TokenizerManager
+from server.http.tokenizer_manager import TokenizerManager
 from server.http.tools import as_tool_call
 from server.reasoning import ReasoningStream, split
 

@@ -13,11 +13,10 @@ import json
 from typing import Any, AsyncIterator, Sequence
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
 
 from server import protocol as P
-from server.http.errors import error_body, error_response
-from server.http.tokenizer_manager import ApiError, TokenizerManager
+from server.http.errors import ApiError, error_body
+from server.http.tokenizer_manager import TokenizerManager
 
 DISCONNECT_POLL_S = 0.1
 
@@ -25,11 +24,6 @@ DISCONNECT_POLL_S = 0.1
 def manager_of(request: Request) -> TokenizerManager:
     """The app's TokenizerManager (kept on app.state: no module globals)."""
     return request.app.state.manager
-
-
-def api_error_response(exc: ApiError) -> JSONResponse:
-    """``exc`` as an OpenAI error response with its status and headers."""
-    return error_response(exc.status, exc.message, exc.type, exc.param, exc.headers)
 
 
 def sse(data: Any) -> str:

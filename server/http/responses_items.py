@@ -37,8 +37,8 @@ from typing import Any
 
 from pydantic import Field, ValidationError
 
+from server.http.errors import ApiError
 from server.http.schemas import MAX_MESSAGES, ChatCompletionRequest, RequestBody
-from server.http.tokenizer_manager import ApiError
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 IGNORED_INCLUDES = {"reasoning.encrypted_content"}  # no encrypted reasoning: nothing to add

@@ -23,6 +23,7 @@ from fastapi.responses import StreamingResponse
 from server import protocol as P
 from server.http.admission import admit_chat
 from server.http.body import body_of
+from server.http.errors import ApiError
 from server.http.responses import (
     check_finish,
     collect,
@@ -42,7 +43,7 @@ from server.http.responses_items import (
     response_object,
     usage,
 )
-from server.http.tokenizer_manager import ApiError, TokenizerManager
+from server.http.tokenizer_manager import TokenizerManager
 from server.http.tools import as_tool_call
 from server.reasoning import ReasoningStream, split
 

@@ -26,6 +26,7 @@ import zmq.asyncio
 
 from server import protocol as P
 from server.detokenizer import OutputText, StopRegexTimeout
+from server.http.errors import ApiError
 from server.http.outputs import coalesce, params_dict, with_text
 from server.multimodal import ImageError, VisionSpec, expand_prompt_images, image_bytes
 from server.reasoning import ReasoningParser
@@ -36,17 +37,6 @@ log = logging.getLogger("server.tokenizer_manager")
 
 
 TOKENIZER_THREADS = 2
-
-
-class ApiError(Exception):
-    """An error answered to the client: HTTP ``status``, OpenAI ``type``, ``param``, and extra
-    headers (e.g. Retry-After)."""
-
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param = status, message, type, param
-        self.headers = headers or {}
 
 
 @dataclass

@@ -19,7 +19,7 @@ import uuid
 from typing import Any
 
 from server.constrained.grammar import GrammarError, make_spec
-from server.http.tokenizer_manager import ApiError
+from server.http.errors import ApiError
 
 
 def parse_tools(tools: list[dict[str, Any]] | None) -> dict[str, dict[str, Any]]:

@@ -14,8 +14,8 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
+from server.http.errors import ApiError
 from server.http.responses_items import ResponseStore
-from server.http.tokenizer_manager import ApiError
 
 
 @pytest.fixture
