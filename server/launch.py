@@ -91,6 +91,8 @@ async def _wait_ready(recv: zmq.asyncio.Socket, proc, timeout: float) -> P.Ready
 
 async def serve(engine_config: EngineConfig, http: HTTPConfig) -> int:
     """Run until shutdown; returns the process exit code."""
+    # the HTTP process's life in order (sockets, scheduler spawn, ready, serve, drain,
+    # teardown): one sequence whose cleanup must see every step's resources
     ipc_dir = tempfile.mkdtemp(prefix="sgl-adapters-")
     os.chmod(ipc_dir, 0o700)
     to_sched, from_sched = f"ipc://{ipc_dir}/to_scheduler", f"ipc://{ipc_dir}/from_scheduler"

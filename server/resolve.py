@@ -40,6 +40,8 @@ def resolve(config: EngineConfig, *, kv_elements_per_token: int, model_context_l
     Raises:
         ConfigError: the pool would hold fewer than 16 tokens, or context_length exceeds the model's.
     """
+    # each step reads what the steps before it resolved (device -> quantization -> ISA -> dtype
+    # -> backend -> context -> pool): one ordered sequence
     import torch
 
     from kernels import resolve_attention_backend

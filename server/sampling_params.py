@@ -89,6 +89,8 @@ class SamplingParams:
     ebnf: str | None = None  # an EBNF grammar (SGLang's name), "root ::= ..."
 
     def __post_init__(self) -> None:
+        # one check per field, in field order, each naming its field: long by design (a split
+        # would only scatter them)
         def need(ok: bool, field: str, msg: str) -> None:
             if not ok:
                 raise SamplingParamsError(field, msg)

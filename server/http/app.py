@@ -73,6 +73,8 @@ def create_app(manager: TokenizerManager, *, model_name: str, model_path: str | 
     """Build the app around a TokenizerManager (whose receive loop starts with the app).
     ``app.state.drain`` (:class:`server.http.drain.Drain`, ``drain_timeout`` seconds) is the
     shutdown the launcher starts on SIGTERM."""
+    # registers the middleware stack in order (outermost first) and the routers; splitting it
+    # would hide that order
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -188,6 +188,8 @@ async def chat_completions(request: Request,
                            body: ChatCompletionRequest = Depends(body_of(ChatCompletionRequest))):
     """OpenAI chat completions (``POST /v1/chat/completions``): chat template, tools and
     ``response_format`` enforced by grammar, streamed (SSE) or not."""
+    # admission, tools, reasoning and both response shapes (stream and whole) of one OpenAI
+    # route: kept together so the route reads top to bottom
     manager = manager_of(request)
     inputs, tools, use_tools = await admit_chat(manager, body)
     state = inputs[0].reasoning_state

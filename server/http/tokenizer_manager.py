@@ -306,6 +306,8 @@ class TokenizerManager:
 
         Cancelling the consumer (a client disconnect) aborts the request in the scheduler.
         """
+        # send, receive, text and stop strings, and the cancel/abort path of one request share
+        # its state (queue, in-flight record) and its finally
         self.check_capacity(1)
         rid = inp.rid or uuid.uuid4().hex
         if rid in self.queues:

@@ -120,6 +120,8 @@ class ArchConfig:
     def from_hf(cls, cfg: Mapping[str, Any]) -> "ArchConfig":
         """Parse an HF ``config.json`` dict (transformers 4.x ``rope_scaling`` or 5.x
         ``rope_parameters`` layouts)."""
+        # one mapping per HF field and model family: long because the families differ, each line
+        # independent
         model_type = cfg.get("model_type", "llama")
         if model_type == "gemma3" and "text_config" in cfg:  # the text model of Gemma 3 VLMs
             cfg = {**cfg["text_config"], "model_type": "gemma3"}
@@ -216,6 +218,8 @@ class ArchConfig:
         arch "llama" with experts, Qwen3-MoE as "qwen3moe") and Phi-3's LongRoPE
         (short, long) factors (``rope_factors_short`` / ``rope_factors_long``).
         """
+        # one mapping per GGUF key and architecture: long because the architectures differ, each
+        # line independent
         arch = meta["general.architecture"]
         if arch not in GGUF_ARCHITECTURES:
             raise UnsupportedModelError(

@@ -213,6 +213,8 @@ def _read_gguf_metadata(reader) -> dict[str, Any]:
 
 
 def _load_gguf(path: str) -> LoadedModel:
+    # reader, metadata, tokenizer, tensors in the file's order: one sequence sharing the open
+    # reader
     import gguf
 
     try:

@@ -60,6 +60,8 @@ class ModelRunner:
                  dense_prefill_rows: int | None = None, native_linear: str | None = None,
                  cpu_isa: str | None = None, cuda_graph_max_bs: int = 0,
                  req_to_token: torch.Tensor | None = None, tp: TPGroup | None = None):
+        # assembles the runner (model, backend, compiled stack, CUDA graphs, TP) in dependency
+        # order; each part is a call into its own module
         arch = loaded.arch
         if len(kv_pool.k_buffers) != arch.num_layers:
             raise ValueError(f"KV pool has {len(kv_pool.k_buffers)} layers, model {arch.num_layers}")

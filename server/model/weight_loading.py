@@ -100,6 +100,8 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | Q
 
     Returns a :class:`QuantReport`. Raises WeightLoadError, QuantizationError.
     """
+    # one pass over the checkpoint's tensors that must see every target (fused rows, quantized
+    # or dense, tied weights) to fill the model in place
     if quantization not in QUANTIZATION_MODES:
         raise QuantizationError(
             f"quantization must be one of {QUANTIZATION_MODES}, got {quantization!r}")
