@@ -14,8 +14,8 @@ from __future__ import annotations
 from typing import Sequence
 
 
-def prompt_lookup_draft(ids: Sequence[int], max_tokens: int, max_ngram: int = 3,
-                        min_ngram: int = 2, window: int = 4096) -> list[int]:
+def ngram_draft(ids: Sequence[int], max_tokens: int, max_ngram: int = 3,
+                min_ngram: int = 2, window: int = 4096) -> list[int]:
     """Up to ``max_tokens`` tokens that followed the most recent earlier occurrence of the
     sequence's last n tokens (n from ``max_ngram`` down to ``min_ngram``), looking back at most
     ``window`` tokens; [] when there is none."""

@@ -15,7 +15,7 @@ import torch
 
 from server.constrained.jump_forward import accepted_prefix, draft_tokens
 from server.model.sampling import Sampler, argmax_decides, argmax_rows, top_logprobs
-from server.scheduler.ngram import prompt_lookup_draft
+from server.scheduler.ngram import ngram_draft
 from server.scheduler.request import FinishReason, Req
 
 
@@ -55,9 +55,9 @@ def take_rows(logits: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
 
 def sample_and_append(sampler: Sampler, items: Sequence[tuple[Req, int]], logits: torch.Tensor,
                       context_len: int, jump_forward_tokenizer: Any = None,
-                      ngram_tokens: int = 0) -> list[tuple[Req, int, FinishReason | None]]:
+                      speculative_ngram: int = 0) -> list[tuple[Req, int, FinishReason | None]]:
     """Sample one token for each (request, logits row); append it and check stop conditions.
-    With ``jump_forward_tokenizer`` or ``ngram_tokens``, a request that goes on gets its next
+    With ``jump_forward_tokenizer`` or ``speculative_ngram``, a request that goes on gets its next
     draft (:func:`set_draft`).
 
     Returns (request, sampled token, finish reason or None) per item, in order.
@@ -79,8 +79,8 @@ def sample_and_append(sampler: Sampler, items: Sequence[tuple[Req, int]], logits
                 req.output_top_logprobs.append(
                     sampled.top_logprobs[i][:req.logprobs.top_logprobs_num])
         reason = check_finished(req, tok, context_len)
-        if reason is None and (jump_forward_tokenizer is not None or ngram_tokens):
-            set_draft(req, tok, context_len, jump_forward_tokenizer, ngram_tokens)
+        if reason is None and (jump_forward_tokenizer is not None or speculative_ngram):
+            set_draft(req, tok, context_len, jump_forward_tokenizer, speculative_ngram)
         out.append((req, tok, reason))
     return out
 
@@ -141,10 +141,10 @@ def check_finished(req: Req, tok: int, context_len: int) -> FinishReason | None:
 
 
 def set_draft(req: Req, tok: int, context_len: int, jump_forward_tokenizer: Any = None,
-              ngram_tokens: int = 0) -> None:
+              speculative_ngram: int = 0) -> None:
     """``req.draft`` after its last token ``tok`` (which :func:`check_finished` accepted):
     with ``jump_forward_tokenizer``, the tokens its grammar forces next
-    (:mod:`server.constrained.jump_forward`); where it forces none and ``ngram_tokens`` is set,
+    (:mod:`server.constrained.jump_forward`); where it forces none and ``speculative_ngram`` is set,
     a prompt-lookup draft of up to that many tokens (:mod:`server.scheduler.ngram`), cut where
     the grammar would reject it; else none."""
     p = req.params
@@ -153,7 +153,7 @@ def set_draft(req: Req, tok: int, context_len: int, jump_forward_tokenizer: Any 
     if req.grammar is not None and jump_forward_tokenizer is not None:
         req.draft = draft_tokens(req.grammar, jump_forward_tokenizer, tok, room)
         req.draft_source = "jump_forward"
-    if not req.draft and ngram_tokens:
-        draft = prompt_lookup_draft(req.fill_ids, min(room, ngram_tokens))
+    if not req.draft and speculative_ngram:
+        draft = ngram_draft(req.fill_ids, min(room, speculative_ngram))
         req.draft = draft if req.grammar is None else accepted_prefix(req.grammar, draft)
         req.draft_source = "ngram"

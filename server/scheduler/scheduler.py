@@ -80,7 +80,7 @@ class Scheduler:
         self.context_len = context_len
         self.sampler = sampler or Sampler(seed)
         self.jump_forward_tokenizer = None if config.disable_jump_forward else tokenizer
-        self.ngram_tokens = config.speculative_ngram
+        self.speculative_ngram = config.speculative_ngram
         self.order = WaitingOrder(config, cache, random.Random(seed))
         self.waiting: deque[Req] = deque()
         self.prefilling: list[Req] = []  # admitted, prompt not fully computed
@@ -317,7 +317,7 @@ class Scheduler:
         if to_sample:
             for req, tok, reason in sample_and_append(
                     self.sampler, to_sample, out.logits, self.context_len,
-                    self.jump_forward_tokenizer, self.ngram_tokens):
+                    self.jump_forward_tokenizer, self.speculative_ngram):
                 self.stats.generated_tokens += 1
                 if reason is not None:
                     deltas.append(self._finish(req, reason, [tok]))
@@ -352,7 +352,7 @@ class Scheduler:
         drafts, req.draft, source = req.draft, [], req.draft_source
         if reason is None:  # the next draft is made once, after the last token
             set_draft(req, produced[-1], self.context_len, self.jump_forward_tokenizer,
-                      self.ngram_tokens)
+                      self.speculative_ngram)
         req.computed_len = req.fill_len - 1  # the last token's KV is computed next pass
         self.cache.truncate_alloc(req)
         self.stats.generated_tokens += len(produced)

@@ -8,16 +8,16 @@ import pytest
 
 from server.config import DEFAULT_NGRAM_TOKENS
 from server.engine import Engine
-from server.scheduler.ngram import prompt_lookup_draft
+from server.scheduler.ngram import ngram_draft
 from tests.helpers import EXACT_QUANTIZATION
 
 
 def test_proposer_finds_the_latest_earlier_ngram():
     ids = [1, 2, 3, 4, 5, 9, 1, 2, 3, 7, 8, 2, 3]
-    assert prompt_lookup_draft(ids, 3) == [7, 8, 2]  # "2 3" last seen before 7 8
-    assert prompt_lookup_draft(ids + [7], 5) == [8, 2, 3, 7]  # "2 3 7" -> 8 2 3 7
-    assert prompt_lookup_draft([1, 2, 3, 4], 4) == []  # no repeat
-    assert prompt_lookup_draft(ids, 0) == []
+    assert ngram_draft(ids, 3) == [7, 8, 2]  # "2 3" last seen before 7 8
+    assert ngram_draft(ids + [7], 5) == [8, 2, 3, 7]  # "2 3 7" -> 8 2 3 7
+    assert ngram_draft([1, 2, 3, 4], 4) == []  # no repeat
+    assert ngram_draft(ids, 0) == []
 
 
 @pytest.mark.parametrize("sp", [{"temperature": 0}, {"temperature": 0.3, "top_k": 5, "seed": 7}])
@@ -75,15 +75,15 @@ def test_drafts_are_on_by_default_only_where_the_runner_is_batch_invariant(make_
     common = {"dtype": "float32", "context_length": 128, "max_total_tokens": 512}
     dense = Engine(path, quantization="none", **common)
     assert not dense.runner.batch_invariant
-    assert dense.scheduler.ngram_tokens == dense.config.scheduler.speculative_ngram == 0
+    assert dense.scheduler.speculative_ngram == dense.config.scheduler.speculative_ngram == 0
     if EXACT_QUANTIZATION == "none":  # no native kernels on this machine: nothing else to check
         return
     exact = Engine(path, quantization=EXACT_QUANTIZATION, **common)
     assert exact.runner.batch_invariant and exact.runner.quant_report.row_invariant
-    assert exact.scheduler.ngram_tokens == DEFAULT_NGRAM_TOKENS
+    assert exact.scheduler.speculative_ngram == DEFAULT_NGRAM_TOKENS
     assert exact.config.scheduler.speculative_ngram == DEFAULT_NGRAM_TOKENS
     off = Engine(path, quantization=EXACT_QUANTIZATION, speculative_ngram=0, **common)
-    assert off.scheduler.ngram_tokens == 0
+    assert off.scheduler.speculative_ngram == 0
     torch_ops = Engine(path, quantization=EXACT_QUANTIZATION, cpu_isa="none", **common)
     assert not torch_ops.runner.batch_invariant
-    assert torch_ops.scheduler.ngram_tokens == 0
+    assert torch_ops.scheduler.speculative_ngram == 0
