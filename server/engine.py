@@ -32,7 +32,7 @@ from server.cache.req_table import ReqToTokenTable
 from server.cache.tiers import PAGE_TOKENS, DiskTier, HostTier, KVTiers, kv_fingerprint
 from server.config import DEFAULT_NGRAM_TOKENS, ConfigError, EngineConfig
 from server.constrained.grammar import GrammarCompiler, make_spec
-from server.constrained.reasoning import ReasoningGatedMatcher
+from server.constrained.reasoning_gate import ReasoningGatedMatcher
 from server.detokenizer import OutputText, StopRegexTimeout
 from server.images import EngineImages
 from server.model.loader import load_model

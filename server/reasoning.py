@@ -12,7 +12,7 @@ template convention:
 
 The HTTP process splits the text (:func:`split`, and :class:`ReasoningStream` for SSE deltas,
 which holds back a tail that may still become a marker); the scheduler gates the grammar with
-the token ids in :class:`server.protocol.ReasoningGate` (:mod:`server.constrained.reasoning`).
+the token ids in :class:`server.protocol.ReasoningGate` (:mod:`server.constrained.reasoning_gate`).
 The convention follows SGLang's ``--reasoning-parser`` (``reasoning_content`` in OpenAI chat
 responses, as DeepSeek's API returns it). Torch-free: it runs in the HTTP process.
 """

@@ -7,7 +7,7 @@ and releases finished requests (their computed KV goes into the radix cache). Ne
 between steps; finished ones leave.
 
 Admission: the waiting queue is ordered by the policy behind the starvation bound
-(:mod:`server.scheduler.admission`), and each request in turn gets its
+(:mod:`server.scheduler.waiting`), and each request in turn gets its
 cached prefix locked (capped at len-1 so at least one token is computed) and a chunk of its
 uncached tokens, while the token budget (``chunked_prefill_size`` new tokens per extend batch)
 and memory last. Memory for admission counts free plus evictable slots, minus a reservation for
@@ -20,7 +20,7 @@ request, so decoding advances in every pass. Prefill-first alone lets a steady s
 prompts (the calls of other programs) hold running requests back for as long as it lasts.
 
 In-batch prefix sharing (cache-aware policies): a request whose uncached part this step already
-prefills waits one step to reuse that KV (:class:`server.scheduler.admission.StepSharing`).
+prefills waits one step to reuse that KV (:class:`server.scheduler.waiting.StepSharing`).
 
 Memory is the cache manager's (:mod:`server.cache.manager`): the scheduler asks it to admit,
 allocate, cache and release by request, and never touches rows, nodes or the tree.
@@ -46,7 +46,6 @@ from server.cache.manager import CacheManager
 from server.config import SchedulerConfig
 from server.model.forward_batch import ForwardBatch, RunnerOutput
 from server.model.sampling import Sampler
-from server.scheduler.admission import StepSharing, WaitingOrder
 from server.scheduler.batches import Plan, build_decode, build_extend
 from server.scheduler.draft_cost import DraftGate
 from server.scheduler.metrics import SchedulerStats, snapshot
@@ -59,6 +58,7 @@ from server.scheduler.outputs import (
 )
 from server.scheduler.request import FinishReason, Req, ReqStatus
 from server.scheduler.validation import InvalidRequestError, validate_request
+from server.scheduler.waiting import StepSharing, WaitingOrder
 
 
 class Scheduler:

@@ -18,7 +18,7 @@ from openai import OpenAI
 
 from server.constrained.grammar import GrammarCompiler, GrammarSpec
 from server.constrained.jump_forward import accepted_prefix
-from server.constrained.reasoning import ReasoningGatedMatcher
+from server.constrained.reasoning_gate import ReasoningGatedMatcher
 from server.reasoning import ReasoningParser, ReasoningParserError, ReasoningStream, split
 from sgl_adapters.backends.runtime import Runtime
 
