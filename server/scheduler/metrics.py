@@ -28,6 +28,17 @@ class SchedulerStats:
     forward_passes: int = 0
     finished_requests: int = 0
 
+    def count_verify(self, produced: list[int], drafts: list[int]) -> int:
+        """Count a verify pass that produced ``produced`` tokens for ``drafts``; returns how
+        many draft tokens were accepted (the prefix equal to what was sampled)."""
+        self.generated_tokens += len(produced)
+        self.jump_forward_tokens += len(produced) - 1
+        self.draft_tokens += len(drafts)
+        accepted = next((i for i, (a, b) in enumerate(zip(produced, drafts)) if a != b),
+                        min(len(produced), len(drafts)))
+        self.accepted_draft_tokens += accepted
+        return accepted
+
     @property
     def cache_hit_rate(self) -> float:
         """Prompt tokens served from the radix cache over all prompt tokens (0 when none)."""

@@ -355,13 +355,7 @@ class Scheduler:
                       self.speculative_ngram)
         req.computed_len = req.fill_len - 1  # the last token's KV is computed next pass
         self.cache.truncate_alloc(req)
-        self.stats.generated_tokens += len(produced)
-        self.stats.jump_forward_tokens += len(produced) - 1
-        self.stats.draft_tokens += len(drafts)
-        accepted = next((i for i, (a, b) in enumerate(zip(produced, drafts)) if a != b),
-                        min(len(produced), len(drafts)))
-        self.stats.accepted_draft_tokens += accepted
-        self.draft_gate.observe(source, len(drafts), accepted)
+        self.draft_gate.observe(source, len(drafts), self.stats.count_verify(produced, drafts))
         if reason is not None:
             req.draft = []
             return self._finish(req, reason, produced)
