@@ -64,3 +64,17 @@ def long_functions_without_a_reason(root: str, limit: int = 60) -> list[str]:
 def test_long_functions_say_why(root):
     found = long_functions_without_a_reason(root)
     assert not found, "functions over 60 lines without a comment saying why: " + ", ".join(found)
+
+
+@pytest.mark.parametrize("root", ["server", "sgl_adapters"])
+def test_modules_stay_small(root):
+    """A module past 400 lines is split by responsibility (the project's rule)."""
+    big = []
+    for dirpath, _, files in os.walk(os.path.join(REPO, root)):
+        for f in files:
+            if f.endswith(".py"):
+                with open(os.path.join(dirpath, f), encoding="utf-8") as fh:
+                    n = sum(1 for _ in fh)
+                if n > 400:
+                    big.append(f"{os.path.relpath(os.path.join(dirpath, f), REPO)} ({n})")
+    assert not big, "modules over 400 lines: " + ", ".join(big)
