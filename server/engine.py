@@ -328,14 +328,12 @@ class Engine:
     def step(self) -> list[TokenDelta] | None:
         """One scheduler step and its forward pass, the one step the offline engine and the
         server's scheduler loop both run: the step's token deltas, or None when no batch could
-        be formed (nothing runnable, or cached pages still coming from disk: then it waits
-        1 ms, so a caller's loop does not spin). A pass that raises, in the runner or in
-        sampling, ends only that batch's requests, with an "error" finish (their deltas are
-        returned and the exception logged): one bad batch never stops the engine."""
+        be formed (nothing runnable now, or cached pages still coming from disk:
+        ``scheduler.reading_ahead``). A pass that raises, in the runner or in sampling, ends
+        only that batch's requests, with an "error" finish (their deltas are returned and the
+        exception logged): one bad batch never stops the engine."""
         batch = self.scheduler.step()
         if batch is None:
-            if self.scheduler.reading_ahead:
-                time.sleep(0.001)
             return None
         try:
             return self.scheduler.update(batch, self.runner.forward(batch))
@@ -345,13 +343,22 @@ class Engine:
                                                     f"{exc}")
 
     def stream_steps(self) -> Iterator[list[TokenDelta]]:
-        """Run :meth:`step` until idle, yielding each step's token deltas."""
+        """Run :meth:`step` until idle, yielding each step's token deltas. Raises
+        RuntimeError when queued work cannot be scheduled (two empty steps in a row with no
+        cached pages coming from disk: a read that completes between a step and the check
+        gets its retry)."""
+        empty = 0
         while self.scheduler.has_work:
             deltas = self.step()
             if deltas is not None:
+                empty = 0
                 yield deltas
-            elif not self.scheduler.reading_ahead:
-                raise RuntimeError("scheduler has queued work but cannot schedule it")
+            elif self.scheduler.reading_ahead:  # cached pages are coming from disk
+                time.sleep(0.001)
+            else:
+                empty += 1
+                if empty > 1:
+                    raise RuntimeError("scheduler has queued work but cannot schedule it")
 
     @staticmethod
     def _output(req: Req, text: OutputText) -> dict:

@@ -198,6 +198,8 @@ class SchedulerLoop:
             return
         deltas = self.engine.step()  # a failing batch ends with errors inside it
         if deltas is None:
+            if sched.reading_ahead:
+                time.sleep(0.001)  # cached pages are coming from disk: do not spin
             return
         self._send_outputs(deltas)
         self.steps += 1

@@ -210,3 +210,47 @@ def test_a_failing_pass_ends_only_its_batch_offline_too(tiny_engine, monkeypatch
     assert fine["meta_info"]["finish_reason"]["type"] == "length"
     assert len(fine["output_ids"]) == 3
     tiny_engine.scheduler.check_invariants()
+
+
+def test_a_read_ahead_that_lands_between_step_and_check_is_retried():
+    """Engine.stream_steps: a step that found a request's cached pages still on their way
+    from disk, whose read completes before the engine looks again, is retried, not reported
+    as "cannot schedule" (CI saw that once with --cache-dir)."""
+    class Scheduler:  # step 1: pages not ready; then ready; step 2 runs; then done
+        def __init__(self):
+            self.calls = 0
+
+        @property
+        def has_work(self):
+            return self.calls < 2
+
+        @property
+        def reading_ahead(self):
+            return False  # the read landed right after step 1 looked
+
+        def step(self):
+            self.calls += 1
+            return None if self.calls == 1 else "batch"
+
+        def update(self, batch, out):
+            return [("delta", batch, out)]
+
+    class Runner:
+        def forward(self, batch):
+            return "logits"
+
+    eng = Engine.__new__(Engine)
+    eng.scheduler, eng.runner = Scheduler(), Runner()
+    assert list(eng.stream_steps()) == [[("delta", "batch", "logits")]]
+
+    class Stuck(Scheduler):
+        @property
+        def has_work(self):
+            return True
+
+        def step(self):
+            return None
+
+    eng.scheduler = Stuck()
+    with pytest.raises(RuntimeError, match="cannot schedule"):
+        list(eng.stream_steps())
