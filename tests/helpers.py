@@ -147,3 +147,17 @@ def huge_png() -> bytes:
     buf = io.BytesIO()
     Image.new("RGB", (5000, 4000), (9, 9, 9)).save(buf, format="PNG")
     return buf.getvalue()
+
+
+def failing_once(forward):
+    """``forward`` (a runner's) that raises RuntimeError("simulated kernel failure") on its
+    first call and runs normally after: a fault the tests cannot cause otherwise."""
+    calls = {"n": 0}
+
+    def flaky(batch):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("simulated kernel failure")
+        return forward(batch)
+
+    return flaky

@@ -11,7 +11,7 @@ import torch
 from server.engine import Engine
 from server.model.sampling import SamplingParamsError
 from server.scheduler.validation import InvalidRequestError
-from tests.helpers import assert_no_request_memory, hf_logits
+from tests.helpers import assert_no_request_memory, failing_once, hf_logits
 
 
 def _prompts(n, seed=0, lo=1, hi=120):
@@ -192,16 +192,7 @@ def test_a_failing_pass_ends_only_its_batch_offline_too(tiny_engine, monkeypatch
     """Engine.step isolates a pass that raises (a fault we cannot cause otherwise) as the
     server's loop does: that batch's requests end with an "error" finish, and the engine then
     serves the next requests and keeps its KV invariants."""
-    real_forward = tiny_engine.runner.forward
-    calls = {"n": 0}
-
-    def flaky(batch):
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise RuntimeError("simulated kernel failure")
-        return real_forward(batch)
-
-    monkeypatch.setattr(tiny_engine.runner, "forward", flaky)
+    monkeypatch.setattr(tiny_engine.runner, "forward", failing_once(tiny_engine.runner.forward))
     sp = {"max_new_tokens": 3, "temperature": 0}
     doomed = tiny_engine.generate(input_ids=[[5, 6, 7]], sampling_params=sp)[0]
     reason = doomed["meta_info"]["finish_reason"]

@@ -9,6 +9,7 @@ from server import protocol as P
 from server.engine import Engine
 from server.model.sampling import SamplingParams
 from server.scheduler.loop import SchedulerLoop
+from tests.helpers import failing_once
 
 
 def _wired(engine: Engine):
@@ -102,16 +103,7 @@ def test_a_failing_batch_ends_only_its_requests(loop, monkeypatch):
     """A forward pass that raises (a fault we cannot cause otherwise) ends that batch's
     requests with finish reason "error"; the loop keeps serving later requests."""
     lp, to_loop, from_loop = loop
-    real_forward = lp.engine.runner.forward
-    calls = {"n": 0}
-
-    def flaky(batch):
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise RuntimeError("simulated kernel failure")
-        return real_forward(batch)
-
-    monkeypatch.setattr(lp.engine.runner, "forward", flaky)
+    monkeypatch.setattr(lp.engine.runner, "forward", failing_once(lp.engine.runner.forward))
     to_loop.send(P.encode(P.GenerateReq("doomed", [5, 6], {"max_new_tokens": 4})))
     msgs = run_until(lp, from_loop, finished("doomed"))
     last = [o for m in msgs if isinstance(m, P.BatchOutput) for o in m.outputs][-1]
