@@ -31,8 +31,9 @@ from server.cache.radix_tree import RadixCache
 from server.cache.req_table import ReqToTokenTable
 from server.cache.tiers import PAGE_TOKENS, DiskTier, HostTier, KVTiers, kv_fingerprint
 from server.config import DEFAULT_NGRAM_TOKENS, ConfigError, EngineConfig
-from server.constrained.grammar import GrammarCompiler, make_spec
+from server.constrained.grammar import GrammarCompiler
 from server.constrained.reasoning_gate import ReasoningGatedMatcher
+from server.constrained.spec import make_spec
 from server.detokenizer import OutputText, StopRegexTimeout
 from server.images import EngineImages
 from server.model.loader import load_model
@@ -195,6 +196,7 @@ class Engine:
         thread."""
         def prepare() -> None:
             self.grammars.json_safe_mask()
+            self.grammars.utf8_masks()
             self.grammars.compile(make_spec(regex="[0-9]"))
 
         thread = threading.Thread(target=prepare, name="grammar-prepare", daemon=True)

@@ -24,7 +24,7 @@ from typing import Any, Mapping
 
 import regex
 
-from server.constrained.grammar import GrammarError, GrammarSpec, make_spec
+from server.constrained.spec import GrammarError, GrammarSpec, make_spec
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256

@@ -8,11 +8,10 @@ SGLang paper §4), and applies masks on CPU tensors. JSON is generated with fixe
 (", " and ": "), so whitespace cannot loop and keys are forced strings.
 outlines-core was the alternative; it lacks rollback and a jump-forward query.
 
-User JSON schemas are first checked with ``jsonschema`` (draft 2020-12) so errors are clear.
-Compiled grammars are cached per (kind, spec), least recently used out past
-``CACHE_BYTES``: a batch with one schema compiles once. Budgets: specs over ``MAX_SPEC_CHARS``
-and recursive schemas are refused; a compile not done ``COMPILE_TIMEOUT_S`` after it was asked
-for is stopped and refused. Compiles run in child processes
+Specs are checked and normalized first (:mod:`server.constrained.spec`). Compiled grammars
+are cached per (kind, spec), least recently used out past ``CACHE_BYTES``: a batch with one
+schema compiles once. A compile not done ``COMPILE_TIMEOUT_S`` after it was asked for is
+stopped and refused. Compiles run in child processes
 (:mod:`server.constrained.compile_worker`) scheduled as a two-level feedback queue
 (:meth:`GrammarCompiler.compile_async`): every compile starts in the *fast lane* with
 ``FAST_LANE_S``; one that takes longer is stopped there and restarted in the *slow lane* with
@@ -25,7 +24,7 @@ After a large compiled grammar is loaded the heap's free memory is given back to
 compile thread's malloc arena, and evicted grammars left holes there. The slow-grammar soak
 client's scheduler held 615 MB for a full cache (start 330), now 430.
 
-Errors: :class:`GrammarError` (a ValueError with ``param``), answered as HTTP 400.
+Errors: :class:`~server.constrained.spec.GrammarError`, answered as HTTP 400.
 """
 
 from __future__ import annotations
@@ -33,23 +32,15 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import ctypes
-import json
 import re
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Sequence
-
-import msgspec
 
 from server.constrained.compile_worker import CompileProcess
 from server.constrained.matcher import Matcher
+from server.constrained.spec import GrammarError, GrammarSpec
 
-MAX_SPEC_CHARS = 32 * 1024
-MAX_SCHEMA_TEXT_CHARS = 4 * MAX_SPEC_CHARS  # a schema given as text, before its whitespace goes
-MAX_EBNF_CHARS = 512 * 1024  # grounding grammars of long passages (~25 chars per word)
-MAX_CHOICES = 256
-MAX_SCHEMA_DEPTH = 64  # dict/list levels
 COMPILE_TIMEOUT_S = 10.0
 FAST_LANE_S = 1.0  # a compile longer than this moves to the slow lane
 CACHE_BYTES = 64 << 20  # compiled grammars kept (xgrammar's estimate; resident ~2x this)
@@ -68,163 +59,6 @@ def _trim_heap() -> None:
     trim = getattr(_LIBC, "malloc_trim", None)
     if trim is not None:
         trim(0)
-
-
-class GrammarError(ValueError):
-    """A constraint that cannot be compiled (or took too long): a 400 naming ``param``, the
-    request field it came from."""
-
-    def __init__(self, param: str, message: str):
-        super().__init__(f"{param}: {message}")
-        self.param = param
-
-
-@dataclass(frozen=True)
-class GrammarSpec:
-    """kind: "regex", "json_schema", "choices" or "ebnf"; spec: the regex, the schema as
-    canonical JSON text, the choices as a JSON list, or the EBNF grammar (xgrammar's dialect of
-    GBNF: ``root ::= ...``)."""
-
-    kind: str
-    spec: str
-
-
-def make_spec(regex: str | None = None, json_schema: Any = None,
-              choices: Sequence[str] | None = None, ebnf: str | None = None
-              ) -> GrammarSpec | None:
-    """Validate and normalize the (at most one) constraint of a request. Raises GrammarError
-    (an EBNF grammar's syntax is checked when it compiles, still before the response)."""
-    given = [n for n, v in (("regex", regex), ("json_schema", json_schema),
-                            ("choices", choices), ("ebnf", ebnf)) if v is not None]
-    if not given:
-        return None
-    if len(given) > 1:
-        raise GrammarError(given[1], f"only one constraint per request (got {', '.join(given)})")
-    if regex is not None:
-        if not isinstance(regex, str) or not regex:
-            raise GrammarError("regex", "must be a non-empty string")
-        _check_size("regex", regex)
-        return GrammarSpec("regex", regex)
-    if ebnf is not None:
-        if not isinstance(ebnf, str) or "::=" not in ebnf:
-            raise GrammarError("ebnf", "must be a grammar string with a 'root ::= ...' rule")
-        if len(ebnf) > MAX_EBNF_CHARS:
-            raise GrammarError("ebnf", f"over {MAX_EBNF_CHARS} characters")
-        return GrammarSpec("ebnf", ebnf)
-    if json_schema is not None:
-        # sized before anything else: validating a schema costs time that grows with its size
-        # (a 7 MB schema took 24 s), and this runs on the HTTP event loop
-        text = None
-        if isinstance(json_schema, str):
-            if len(json_schema) > MAX_SCHEMA_TEXT_CHARS:  # room for indentation
-                raise GrammarError("json_schema", f"over {MAX_SCHEMA_TEXT_CHARS} characters")
-        else:
-            try:  # keep key order: the schema's property order is the order fields are generated
-                if len(msgspec.json.encode(json_schema)) > MAX_SPEC_CHARS:  # a lower bound of
-                    raise GrammarError("json_schema", f"over {MAX_SPEC_CHARS} characters")
-                text = json.dumps(json_schema, separators=(",", ":"))  # this, ~6x as fast
-            except GrammarError:
-                raise
-            except (TypeError, ValueError) as exc:  # not JSON data; circular
-                raise GrammarError("json_schema", f"not JSON data: {exc}") from exc
-            _check_size("json_schema", text)
-        schema = _load_schema(json_schema)
-        if text is None:  # given as text: its compact form
-            text = json.dumps(schema, separators=(",", ":"))
-            _check_size("json_schema", text)
-        return GrammarSpec("json_schema", text)
-    if not isinstance(choices, (list, tuple)) or not choices:
-        raise GrammarError("choices", "must be a non-empty list of strings")
-    if len(choices) > MAX_CHOICES or not all(isinstance(c, str) and c for c in choices):
-        raise GrammarError("choices", f"at most {MAX_CHOICES} non-empty strings")
-    if len(set(choices)) != len(choices):
-        raise GrammarError("choices", "choices must be distinct")
-    text = json.dumps(list(choices))
-    _check_size("choices", text)
-    return GrammarSpec("choices", text)
-
-
-def _check_size(param: str, text: str) -> None:
-    if len(text) > MAX_SPEC_CHARS:
-        raise GrammarError(param, f"over {MAX_SPEC_CHARS} characters")
-
-
-def _load_schema(value: Any) -> dict:
-    import jsonschema
-
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise GrammarError("json_schema", f"not valid JSON: {exc}") from exc
-    if not isinstance(value, dict):
-        raise GrammarError("json_schema", "must be a JSON object")
-    _check_depth_and_refs(value)
-    try:
-        jsonschema.Draft202012Validator.check_schema(value)
-    except jsonschema.SchemaError as exc:
-        raise GrammarError("json_schema", f"invalid JSON schema: {exc.message}") from exc
-    if _is_recursive(value):
-        raise GrammarError("json_schema", "recursive schemas ($ref cycles) are not supported")
-    return value
-
-
-def _check_depth_and_refs(schema: dict) -> None:
-    """Refuse nesting deeper than MAX_SCHEMA_DEPTH (validators and compilers recurse) and any
-    $ref that is not local ("#..."): nothing is fetched, and a dropped remote reference would
-    silently change what the output must match. Iterative, so depth cannot overflow here."""
-    stack: list[tuple[Any, int]] = [(schema, 1)]
-    while stack:
-        node, depth = stack.pop()
-        if depth > MAX_SCHEMA_DEPTH:
-            raise GrammarError("json_schema", f"nested deeper than {MAX_SCHEMA_DEPTH} levels")
-        if isinstance(node, dict):
-            ref = node.get("$ref")
-            if ref is not None and not (isinstance(ref, str) and ref.startswith("#")):
-                raise GrammarError("json_schema", f"$ref {ref!r}: only local references "
-                                   "('#/$defs/...') are supported")
-            stack.extend((v, depth + 1) for v in node.values())
-        elif isinstance(node, list):
-            stack.extend((v, depth + 1) for v in node)
-
-
-def _is_recursive(schema: dict) -> bool:
-    """True when a local $ref can reach itself: "#" (the whole schema) anywhere, or a cycle
-    among #/$defs/X and #/definitions/X."""
-    defs = {**schema.get("definitions", {}), **schema.get("$defs", {})}
-
-    def refs(node: Any) -> set[str]:
-        """Names referenced under ``node``; "#" stands for the root."""
-        out: set[str] = set()
-        if isinstance(node, dict):
-            ref = node.get("$ref")
-            if ref == "#":
-                out.add("#")
-            elif isinstance(ref, str) and ref.startswith("#/"):
-                out.add(ref.rsplit("/", 1)[-1])
-            for v in node.values():
-                out |= refs(v)
-        elif isinstance(node, list):
-            for v in node:
-                out |= refs(v)
-        return out
-
-    if "#" in refs(schema):
-        return True
-    edges = {name: refs(body) for name, body in defs.items()}
-
-    def reaches(start: str) -> bool:
-        seen, stack = set(), list(edges.get(start, ()))
-        while stack:
-            n = stack.pop()
-            if n == start:
-                return True
-            if n not in seen:
-                seen.add(n)
-                stack.extend(edges.get(n, ()))
-        return False
-
-    return any(reaches(name) for name in edges)
 
 
 # xgrammar prefixes its errors with a time and its C++ source location:
@@ -263,6 +97,7 @@ class GrammarCompiler:
             for name in ("fast", "slow")}
         self.compile_seconds = 0.0
         self._json_safe = None
+        self._utf8 = None
 
     def compile_async(self, spec: GrammarSpec) -> concurrent.futures.Future:
         """A future of the compiled grammar for ``spec``, never blocking: done at once on a
@@ -368,22 +203,45 @@ class GrammarCompiler:
         strings they must be escaped), but xgrammar 0.2's rule for strings with ``maxLength``
         admits them (all but \\n and \\r); JSON-schema masks are ANDed with this mask."""
         if self._json_safe is None:
-            import torch
-
-            control = re.compile(rb"[\x00-\x1f]")
-            safe = [control.search(t if isinstance(t, bytes) else str(t).encode()) is None
-                    for t in self._token_bytes[:self.vocab_size]]
-            safe += [False] * (self.vocab_size - len(safe))  # ids past the tokenizer's vocabulary
-            self._json_safe = torch.tensor(safe, dtype=torch.bool)
+            self._json_safe = self._token_mask(rb"[\x00-\x1f]", past_vocab=False)
         return self._json_safe
+
+    def utf8_masks(self):
+        """(no_surrogate, after_ed): two [vocab_size] bool masks that keep constrained text
+        valid UTF-8 where xgrammar 0.2 does not.
+
+        xgrammar's byte automaton accepts ED A0-BF xx, the UTF-8 encoding of a UTF-16
+        surrogate (U+D800-DFFF), which RFC 3629 section 3 forbids and Python decodes as three
+        U+FFFD: a ``maxLength`` string or a regex then no longer matches its text. It does
+        refuse overlong forms and lone continuation bytes. ``no_surrogate`` drops tokens that
+        hold such a sequence whole (every grammar's mask is ANDed with it); ``after_ed`` drops
+        tokens that start with a continuation byte A0-BF (ANDed when the text so far ends in
+        the lead byte ED; see :class:`Matcher`)."""
+        if self._utf8 is None:
+            self._utf8 = (self._token_mask(rb"\xed[\xa0-\xbf]", past_vocab=True),
+                          self._token_mask(rb"\A[\xa0-\xbf]", past_vocab=True))
+        return self._utf8
+
+    def _token_mask(self, pattern: bytes, past_vocab: bool):
+        """[vocab_size] bool: tokens whose bytes do not match ``pattern``; ids past the
+        tokenizer's vocabulary (padding, which has no bytes) are ``past_vocab``."""
+        import torch
+
+        bad = re.compile(pattern)
+        safe = [bad.search(t if isinstance(t, bytes) else str(t).encode()) is None
+                for t in self._token_bytes[:self.vocab_size]]
+        safe += [past_vocab] * (self.vocab_size - len(safe))
+        return torch.tensor(safe, dtype=torch.bool)
 
     def matcher(self, spec: GrammarSpec, stop_token_ids: Sequence[int]) -> Matcher:
         """A fresh matcher for one request; EOS (``stop_token_ids``) is allowed exactly when
         the automaton accepts."""
         compiled = self.compile(spec)
         m = self._xgr.GrammarMatcher(compiled, override_stop_tokens=list(stop_token_ids))
-        extra = self.json_safe_mask() if spec.kind == "json_schema" else None
-        return Matcher(m, self._xgr, self.vocab_size, extra, self._token_bytes)
+        no_surrogate, after_ed = self.utf8_masks()
+        extra = no_surrogate & self.json_safe_mask() if spec.kind == "json_schema" \
+            else no_surrogate
+        return Matcher(m, self._xgr, self.vocab_size, extra, self._token_bytes, after_ed)
 
 
 def _over_budget(spec: GrammarSpec) -> GrammarError:

@@ -24,7 +24,9 @@ class Matcher:
 
     Args: matcher (xgrammar GrammarMatcher), xgr (the module), vocab_size, extra_mask ([V]
     bool ANDed with the grammar's mask, or None), token_bytes (each token id's bytes,
-    xgrammar's ``TokenizerInfo.decoded_vocab``; empty: no forced-string cache).
+    xgrammar's ``TokenizerInfo.decoded_vocab``; empty: no forced-string cache), after_ed
+    ([V] bool ANDed with the mask while the accepted bytes end in the UTF-8 lead byte ED, or
+    None; see ``GrammarCompiler.utf8_masks``: it keeps xgrammar from completing a surrogate).
 
     The forced string of a state is kept and walked as tokens are accepted (and restored on
     rollback): while accepted tokens spell its prefix, the forced string of the new state is
@@ -33,17 +35,19 @@ class Matcher:
     """
 
     def __init__(self, matcher: Any, xgr: Any, vocab_size: int, extra_mask: Any = None,
-                 token_bytes: Sequence[bytes] = ()):
+                 token_bytes: Sequence[bytes] = (), after_ed: Any = None):
         self._m = matcher
         self.vocab_size = vocab_size
         # ANDed with the grammar's bitmask (see json_safe_mask), packed the same way
         self._extra_bits = None if extra_mask is None else pack_bitmask(extra_mask)
+        self._after_ed_bits = None if after_ed is None else pack_bitmask(after_ed)
         self._xgr = xgr
         self._token_bytes = token_bytes
+        self._ends_in_ed = False  # the last accepted byte is ED (needs token_bytes)
         self._forced = b""  # a forced string (UTF-8) of an earlier state ...
         self._pos: int | None = None  # ... of which the current state has consumed this much
-        # (_forced, _pos) before each accepted token, for rollback
-        self._trail: list[tuple[bytes, int | None]] = []
+        # (_forced, _pos, _ends_in_ed) before each accepted token, for rollback
+        self._trail: list[tuple[bytes, int | None, bool]] = []
 
     def fill_bitmask(self, bitmask, row: int) -> None:
         """Write the allowed next tokens into row ``row`` of ``bitmask`` [B, ceil(V / 32)]
@@ -51,6 +55,8 @@ class Matcher:
         self._m.fill_next_token_bitmask(bitmask, row)
         if self._extra_bits is not None:
             bitmask[row] &= self._extra_bits
+        if self._ends_in_ed and self._after_ed_bits is not None:
+            bitmask[row] &= self._after_ed_bits
 
     def allows(self, token_id: int) -> bool:
         """Whether ``token_id`` may come next: the bit :meth:`fill_bitmask` would set for it
@@ -58,10 +64,12 @@ class Matcher:
         against ~0.2 ms for a whole 49k-token bitmask). The state is left as it was."""
         if not 0 <= token_id < self.vocab_size:
             return False
-        if self._extra_bits is not None:
-            word, bit = divmod(token_id, 32)
-            if not (int(self._extra_bits[word]) >> bit) & 1:
-                return False
+        word, bit = divmod(token_id, 32)
+        if self._extra_bits is not None and not (int(self._extra_bits[word]) >> bit) & 1:
+            return False
+        if (self._ends_in_ed and self._after_ed_bits is not None
+                and not (int(self._after_ed_bits[word]) >> bit) & 1):
+            return False
         if not self._m.accept_token(token_id):
             return False
         self._m.rollback(1)
@@ -80,11 +88,13 @@ class Matcher:
         """Advance over ``token_id``; False (state unchanged) if the grammar rejects it."""
         if not self._m.accept_token(token_id):
             return False
-        self._trail.append((self._forced, self._pos))
+        self._trail.append((self._forced, self._pos, self._ends_in_ed))
         if len(self._trail) > _MAX_TRAIL:
             del self._trail[:-_MAX_TRAIL // 2]
+        b = self._token_bytes[token_id] if token_id < len(self._token_bytes) else b""
+        if b:
+            self._ends_in_ed = b[-1] == 0xED
         if self._pos is not None:
-            b = self._token_bytes[token_id] if token_id < len(self._token_bytes) else b""
             forced_prefix = b and self._forced.startswith(b, self._pos)
             self._pos = self._pos + len(b) if forced_prefix else None
         return True
@@ -99,10 +109,10 @@ class Matcher:
         if num_tokens > 0:
             self._m.rollback(num_tokens)
             if num_tokens <= len(self._trail):
-                self._forced, self._pos = self._trail[-num_tokens]
+                self._forced, self._pos, self._ends_in_ed = self._trail[-num_tokens]
                 del self._trail[-num_tokens:]
-            else:
-                self._pos, self._trail = None, []
+            else:  # past the trail the last byte is unknown: xgrammar alone decides
+                self._pos, self._trail, self._ends_in_ed = None, [], False
 
     def jump_forward_string(self) -> str:
         """The string the grammar forces from the current state ("" when there is a choice).

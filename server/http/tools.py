@@ -18,7 +18,7 @@ import json
 import uuid
 from typing import Any
 
-from server.constrained.grammar import GrammarError, make_spec
+from server.constrained.spec import GrammarError, make_spec
 from server.http.errors import ApiError
 
 

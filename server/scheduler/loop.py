@@ -23,7 +23,8 @@ import zmq
 
 from server import protocol as P
 from server.config import EngineConfig
-from server.constrained.grammar import COMPILE_TIMEOUT_S, GrammarCompiler, GrammarError
+from server.constrained.grammar import COMPILE_TIMEOUT_S, GrammarCompiler
+from server.constrained.spec import GrammarError
 from server.engine import Engine
 from server.sampling_params import SamplingParams, SamplingParamsError
 from server.scheduler.outputs import TokenDelta

@@ -10,8 +10,8 @@ import re
 import jsonschema
 import pytest
 
-from server.constrained.grammar import make_spec
 from server.constrained.jump_forward import draft_tokens
+from server.constrained.spec import make_spec
 from server.engine import Engine
 from tests.helpers import EXACT_QUANTIZATION, has_default_model
 

@@ -10,7 +10,8 @@ import pytest
 from openai import OpenAI
 
 import sgl_adapters as sgl
-from server.constrained.grammar import GrammarCompiler, GrammarSpec
+from server.constrained.grammar import GrammarCompiler
+from server.constrained.spec import GrammarSpec
 from sgl_adapters.lang.grounding import substring_grammar
 
 P1 = "Guglielmo Marconi sent signals in 1895, from Pontecchio."

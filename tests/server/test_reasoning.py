@@ -16,9 +16,10 @@ import pytest
 import torch
 from openai import OpenAI
 
-from server.constrained.grammar import GrammarCompiler, GrammarSpec
+from server.constrained.grammar import GrammarCompiler
 from server.constrained.jump_forward import accepted_prefix
 from server.constrained.reasoning_gate import ReasoningGatedMatcher
+from server.constrained.spec import GrammarSpec
 from server.reasoning import ReasoningParser, ReasoningParserError, ReasoningStream, split
 from sgl_adapters.backends.runtime import Runtime
 
