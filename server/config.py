@@ -79,6 +79,11 @@ class ModelConfig:
             run torch's matmuls, which are not invariant (float32 ``F.linear`` rounds 1-5 rows
             differently from 64). Refused on CUDA, with torch_compile and with tp_size > 1,
             whose kernels are not known to be invariant.
+        cpu_threads: intra-op threads of a CPU forward pass. 0 (default): every core this
+            process may use, one fewer while other processes use them
+            (:mod:`server.model.cpu_threads`); N: always N. Not with tensor parallelism (each
+            rank takes its share of the cores) or torch_compile (inductor's loops keep the
+            count they were compiled with).
         torch_compile: run the decoder stack through torch.compile on CPU
             (:mod:`server.model.compiled`; compiled graphs are cached on disk).
         disable_cuda_graph: on CUDA, run decode steps eagerly instead of replaying CUDA graphs
@@ -120,6 +125,10 @@ class ModelConfig:
         "attention), avx512_bf16 (bf16 dot-product attention) or amx; a lower class than the "
         "machine's runs that class's code paths, a higher one only its dtype choice (bf16, "
         "emulated without the instructions)", choices=CPU_ISAS)
+    cpu_threads: int = option(
+        0, "--cpu-threads", "intra-op threads of a CPU forward pass: 0 = every core this "
+        "process may use, one fewer while other processes use them (default; "
+        "server/model/cpu_threads.py), N = always N", type=int)
     torch_compile: bool = option(
         False, "--enable-torch-compile", "compile the decoder stack with torch.compile on CPU "
         "(first start compiles for ~1-2 min; later starts load the cached graphs from "
@@ -155,6 +164,8 @@ class ModelConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got "
                               f"{self.attention_backend!r}")
+        if self.cpu_threads < 0:
+            raise ConfigError(f"cpu_threads must be >= 0, got {self.cpu_threads}")
         if self.context_length is not None and self.context_length < 2:
             raise ConfigError(f"context_length must be >= 2, got {self.context_length}")
 

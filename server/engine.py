@@ -104,6 +104,7 @@ class Engine:
                                   compile=mc.torch_compile,
                                   dense_prefill_rows=self._dense_prefill_rows(mc, linear),
                                   native_linear=linear, cpu_isa=mc.cpu_isa,
+                                  cpu_threads=mc.cpu_threads,
                                   cuda_graph_max_bs=(0 if mc.disable_cuda_graph else
                                                      min(mc.cuda_graph_max_bs,
                                                          sc.max_running_requests)),

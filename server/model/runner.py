@@ -6,6 +6,8 @@ whose KV slots are already assigned, and receives logits for the positions it as
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from kernels import AttentionInputs, create_attention_backend
@@ -16,6 +18,7 @@ from server.model.compiled import (
     register_backend,
     unregister_backend,
 )
+from server.model.cpu_threads import AdaptiveThreads
 from server.model.cuda_graph import CudaGraphRunner
 from server.model.forward_batch import ForwardBatch, ForwardMode, RunnerOutput
 from server.model.llama import LlamaForCausalLM
@@ -51,6 +54,9 @@ class ModelRunner:
             checks availability.
         cpu_isa: the configured CPU class (``--cpu-isa``; None = probed): picks the native
             attention kernel (:func:`kernels.cpu.attention_kernel`).
+        cpu_threads: intra-op threads of a CPU pass (one process): N fixed, 0 adapted to the
+            load (:class:`server.model.cpu_threads.AdaptiveThreads`) where the thread count
+            cannot change a result (:attr:`batch_invariant`), else every core.
     """
 
     def __init__(self, loaded: LoadedModel, kv_pool: TokenKVPool, *, dtype: torch.dtype,
@@ -58,7 +64,7 @@ class ModelRunner:
                  quantization: str = "none", compile: bool = False,
                  compile_cache_dir: str | None = DEFAULT_CACHE_DIR,
                  dense_prefill_rows: int | None = None, native_linear: str | None = None,
-                 cpu_isa: str | None = None, cuda_graph_max_bs: int = 0,
+                 cpu_isa: str | None = None, cpu_threads: int = 0, cuda_graph_max_bs: int = 0,
                  req_to_token: torch.Tensor | None = None, tp: TPGroup | None = None):
         # assembles the runner (model, backend, compiled stack, CUDA graphs, TP) in dependency
         # order; each part is a call into its own module
@@ -117,6 +123,10 @@ class ModelRunner:
                 num_q_heads=arch.num_heads, scale=arch.attention_scale, dtype=dtype,
                 # page indices of one step: shared prefixes count once per sequence
                 max_kv_tokens=cuda_graph_max_bs * req_to_token.shape[1])
+        self.threads = None  # tensor-parallel ranks set their own share of the cores
+        if self.device.type == "cpu" and tp is None:
+            self.threads = AdaptiveThreads(cpu_threads or (
+                0 if self.batch_invariant else len(os.sched_getaffinity(0))))
 
     @property
     def batch_invariant(self) -> bool:
@@ -167,7 +177,13 @@ class ModelRunner:
             except Exception as exc:  # noqa: BLE001 - a collective failed: a rank is gone
                 raise TensorParallelError(f"tensor parallelism: a rank is gone ({exc}); "
                                           "stopping") from exc
-        return self._forward(batch)
+        if self.threads is None:
+            return self._forward(batch)
+        self.threads.before_pass()
+        out = self._forward(batch)
+        self.threads.after_pass(int(batch.input_ids.numel()),
+                                sum(batch.prefix_lens) + sum(batch.extend_lens))
+        return out
 
     def _forward(self, batch: ForwardBatch) -> RunnerOutput:
         dev = self.device

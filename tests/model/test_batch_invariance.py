@@ -4,10 +4,12 @@ kernels in float32 where the machine has a faster default, and the AMX class's d
 ``deterministic_inference``): a request's
 tokens and logprobs are bitwise those it gets alone, whatever else shares its forward passes,
 in what order it arrives, where chunked prefill cuts it, whether decodes ride along with a
-prefill (mixed chunks), and whether its prefix comes from the radix cache or is recomputed."""
+prefill (mixed chunks), whether its prefix comes from the radix cache or is recomputed, and how
+many threads the pass runs on (``--cpu-threads``, which adapts to the load by default)."""
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -58,7 +60,8 @@ class _Setup:
         self.path, self.config = path, {"context_length": 512, "max_total_tokens": 8192,
                                         **config}
         self.prompts = _prompts()
-        solo = Engine(path, disable_radix_cache=True, **self.config)
+        solo = Engine(path, disable_radix_cache=True, cpu_threads=len(os.sched_getaffinity(0)),
+                      **self.config)
         self.solo = [_result(solo.generate(input_ids=p, sampling_params=SP, return_logprob=True,
                                            logprob_start_len=0)) for p in self.prompts]
         self.engines: dict[tuple[int, bool], Engine] = {}
@@ -102,6 +105,19 @@ def test_a_requests_logprobs_do_not_depend_on_its_batch(setups, config, order, s
         assert _result(out) == setup.solo[i], f"prompt {i} in batch {picked} (chunk {chunk})"
     eng.scheduler.check_invariants()
     assert_no_request_memory(eng.cache)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one core: one thread count")
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_the_thread_count_never_changes_a_result(setups, config):
+    """The default thread count follows the load (server.model.cpu_threads): every prompt,
+    batched on one thread, gets bitwise what it gets alone on every core."""
+    setup = setups(config)
+    one = Engine(setup.path, cpu_threads=1, **setup.config)
+    outs = one.generate(input_ids=setup.prompts, sampling_params=SP, return_logprob=True,
+                        logprob_start_len=0)
+    assert one.runner.threads.threads == 1
+    assert [_result(o) for o in outs] == setup.solo
 
 
 def test_the_bf16_class_default_trades_invariance_for_prefill_speed(make_tiny_model):

@@ -1,0 +1,150 @@
+"""How many intra-op threads a CPU forward pass runs on: every core this process may use while
+those cores are free, one fewer while other processes use them.
+
+Why: a forward pass is a few hundred parallel regions (``at::parallel_for`` over OpenMP), each
+ending at a barrier. When another process wakes on one of the cores (the HTTP process, a client
+on the same machine, a grammar compile), the thread there is preempted and every region waits
+for it. In the hostile soak (``python -m benchmarks.soak``, 2 cores, the HTTP process busy
+50-75 % of a core answering hostile clients) mixed passes of 14 rows took 0.8-2.8 s instead of
+~40 ms and streams stalled for up to 3 s; on one thread the longest stall was 0.43 s. Quiet,
+two threads decode 1.7x as fast as one (8 streams of the default model on a 2-core Zen 4), so
+the count follows the load. vLLM and SGLang leave this to the operator (OMP thread binding,
+cores reserved for the front end); with two cores there is nothing to reserve.
+
+The thread count never changes a result: the native CPU kernels split work by rows or by
+fixed KV partitions, whatever the number of threads (``tests/model/test_batch_invariance.py``
+checks it).
+
+Down: two passes within ``SLOW_WINDOW_S`` (one, while probing) that each took over
+``SLOW_FACTOR`` times the fastest pass of their size (new tokens and attended positions, in
+powers of two) seen at this thread count, and over ``SLOW_S``: the threads are being
+preempted. The soak's stalled passes were 20-70x their size's usual time; in a whole peers
+benchmark run one pass, alone, tripped the factor. Up: a probe, ``COOLDOWN_S`` after the drop
+if other processes used under ``BUSY_CORES`` of this process's cores since the drop or the
+last check, ``WINDOW_S`` or more (``/proc/stat``'s per-CPU busy ticks minus this process's CPU
+time); a probe that fails within ``PROBE_S`` multiplies the cool-down by 4, up to
+``MAX_COOLDOWN_S``, so on a machine that stays busy a failed probe (one slow pass) comes every
+five minutes. Neither others' CPU time nor this process's run delay tells the two cases apart
+by itself: in the peers benchmark the HTTP process and the client use about a core at times,
+as in the soak, and two threads stay 1.3-1.5x as fast there. Without ``/proc/stat`` (not
+Linux) the count stays at every core.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+SLOW_FACTOR = 4.0  # a pass this many times its size's fastest ...
+SLOW_S = 0.05  # ... and this many seconds long is slow; two slow passes ...
+SLOW_WINDOW_S = 10.0  # ... this many seconds apart at most drop a thread
+COOLDOWN_S = 2.0  # seconds at fewer threads before a probe with one more ...
+MAX_COOLDOWN_S = 300.0  # ... x4 up to this by each probe that fails within PROBE_S
+PROBE_S = 5.0
+WINDOW_S = 0.25  # seconds between checks of the CPU counters for a probe ...
+BUSY_CORES = 1.0  # ... and the others' use of our cores (in cores) that postpones it
+_IDLE_FIELDS = (3, 4)  # idle, iowait in a /proc/stat cpuN line (after the name)
+
+
+def _busy_ticks(cores: frozenset[int], path: str = "/proc/stat") -> int | None:
+    """Busy clock ticks (all but idle and iowait) of ``cores`` since boot; None when the
+    counters cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            text = f.read()
+    except OSError:
+        return None
+    total = 0
+    for line in text.split(b"\n"):
+        if not line.startswith(b"cpu") or line[3:4] == b" ":
+            continue
+        name, *fields = line.split()
+        if int(name[3:]) in cores:
+            total += sum(int(v) for i, v in enumerate(fields[:8]) if i not in _IDLE_FIELDS)
+    return total
+
+
+class AdaptiveThreads:
+    """Sets ``torch.set_num_threads`` around each CPU forward pass (:meth:`before_pass`,
+    :meth:`after_pass`).
+
+    Args:
+        fixed: a thread count to keep (``--cpu-threads N``); 0 adapts as the module says.
+        cores: the CPUs this process may run on (default ``os.sched_getaffinity(0)``).
+        stat_path: the kernel's CPU counters (a test points it at a file it writes).
+    """
+
+    def __init__(self, fixed: int = 0, cores: frozenset[int] | None = None,
+                 stat_path: str = "/proc/stat"):
+        import torch
+
+        self._torch = torch
+        self.cores = frozenset(cores if cores is not None else os.sched_getaffinity(0))
+        self.max_threads = fixed or len(self.cores)
+        self.adaptive = fixed == 0 and len(self.cores) > 1
+        self._stat_path = stat_path
+        self._tick_s = 1.0 / os.sysconf("SC_CLK_TCK")
+        self._last = self._sample() if self.adaptive else None
+        self.adaptive = self._last is not None
+        self.cooldown_s = COOLDOWN_S
+        self._down_at = self._up_at = -1e9  # monotonic times of the last change each way
+        self._slow_at = -1e9  # of the last slow pass
+        self.other_cores = 0.0  # other processes' use of our cores in the last window
+        self._fastest: dict[tuple[int, int, int], float] = {}  # (threads, sizes) -> seconds
+        self._start = 0.0  # of the pass in flight
+        self.threads = self.max_threads
+        torch.set_num_threads(self.threads)
+
+    def _sample(self) -> tuple[float, float, int] | None:
+        ticks = _busy_ticks(self.cores, self._stat_path)
+        return None if ticks is None else (time.monotonic(), time.process_time(), ticks)
+
+    def before_pass(self) -> int:
+        """Start timing a pass; bring a thread back when a probe is due. Returns the thread
+        count in force."""
+        if self._torch.get_num_threads() != self.threads:  # another engine in this process
+            self._torch.set_num_threads(self.threads)
+        if not self.adaptive:
+            return self.threads
+        now = time.monotonic()
+        if (self.threads < self.max_threads and now - self._down_at >= self.cooldown_s
+                and now - self._last[0] >= WINDOW_S):
+            sample = self._sample()
+            if sample is not None:
+                (t0, cpu0, ticks0), (t1, cpu1, ticks1) = self._last, sample
+                self._last = sample
+                self.other_cores = max(0.0, ((ticks1 - ticks0) * self._tick_s
+                                             - (cpu1 - cpu0)) / (t1 - t0))
+                if self.other_cores < BUSY_CORES:
+                    self._up_at = now
+                    self._set(self.threads + 1)
+        self._start = time.perf_counter()
+        return self.threads
+
+    def after_pass(self, tokens: int, context: int) -> None:
+        """The pass started by :meth:`before_pass` is done: ``tokens`` new tokens attending to
+        ``context`` positions in all (its size, in powers of two of each). A pass far slower
+        than the fastest of its size at this thread count drops a thread."""
+        if not self.adaptive:
+            return
+        seconds = time.perf_counter() - self._start
+        key = (self.threads, max(tokens, 1).bit_length(), max(context, 1).bit_length())
+        fastest = self._fastest.get(key)
+        if fastest is None or seconds < fastest:
+            self._fastest[key] = seconds
+        elif self.threads > 1 and seconds > max(SLOW_FACTOR * fastest, SLOW_S):
+            now = time.monotonic()
+            probing = now - self._up_at < PROBE_S
+            if not probing and now - self._slow_at > SLOW_WINDOW_S:
+                self._slow_at = now  # the first: a hiccup, or the start of a busy spell
+                return
+            self.cooldown_s = min(4 * self.cooldown_s, MAX_COOLDOWN_S) if probing \
+                else COOLDOWN_S
+            self._down_at, self._slow_at = now, -1e9
+            self._set(self.threads - 1)
+
+    def _set(self, threads: int) -> None:
+        self._last = self._sample() or self._last  # windows count from the change
+        if threads != self.threads:
+            self.threads = threads
+            self._torch.set_num_threads(threads)
