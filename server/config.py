@@ -80,7 +80,7 @@ class ModelConfig:
             differently from 64). Refused on CUDA, with torch_compile and with tp_size > 1,
             whose kernels are not known to be invariant.
         cpu_threads: intra-op threads of a CPU forward pass. 0 (default): every core this
-            process may use, one fewer while other processes use them
+            process may use, one fewer while other processes preempt its passes
             (:mod:`server.model.cpu_threads`); N: always N. Not with tensor parallelism (each
             rank takes its share of the cores) or torch_compile (inductor's loops keep the
             count they were compiled with).
@@ -127,7 +127,7 @@ class ModelConfig:
         "emulated without the instructions)", choices=CPU_ISAS)
     cpu_threads: int = option(
         0, "--cpu-threads", "intra-op threads of a CPU forward pass: 0 = every core this "
-        "process may use, one fewer while other processes use them (default; "
+        "process may use, one fewer while other processes preempt its passes (default; "
         "server/model/cpu_threads.py), N = always N", type=int)
     torch_compile: bool = option(
         False, "--enable-torch-compile", "compile the decoder stack with torch.compile on CPU "

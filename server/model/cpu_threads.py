@@ -1,5 +1,5 @@
-"""How many intra-op threads a CPU forward pass runs on: every core this process may use while
-those cores are free, one fewer while other processes use them.
+"""How many intra-op threads a CPU forward pass runs on: every core this process may use, one
+fewer while other processes' work preempts its passes.
 
 Why: a forward pass is a few hundred parallel regions (``at::parallel_for`` over OpenMP), each
 ending at a barrier. When another process wakes on one of the cores (the HTTP process, a client
