@@ -307,9 +307,12 @@ def main() -> int:
     ap.add_argument("--burners", type=int, default=0, help="processes that only spin a CPU "
                     "(a control: with --only chat,stream,json_client, the gaps that losing CPU "
                     "alone causes)")
+    ap.add_argument("--server-args", default="", help="extra server flags, one string "
+                    "(e.g. \"--cpu-threads 1\")")
     args = ap.parse_args()
     print(f"CPU: {cpu_description()}")
-    rt = Runtime(None, extra_args=["--log-level", "warning"], cwd=REPO_ROOT)
+    rt = Runtime(None, extra_args=["--log-level", "warning", *args.server_args.split()],
+                 cwd=REPO_ROOT)
     try:
         soak = Soak(rt.base_url, args.seconds,
                     set(args.only.split(",")) if args.only else None, args.burners)

@@ -29,6 +29,7 @@ import zmq.asyncio
 from server import protocol as P
 from server.config import EngineConfig
 from server.front_config import HTTPConfig
+from server.model.cpu_threads import openmp_env
 from server.reasoning import ReasoningParserError
 from server.scheduler.entry import run_scheduler
 
@@ -100,6 +101,7 @@ async def serve(engine_config: EngineConfig, http: HTTPConfig) -> int:
     send, recv = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
     send.bind(to_sched)
     recv.bind(from_sched)
+    os.environ.update(openmp_env())  # inherited by the child: its OpenMP threads' wait
     proc = mp.get_context("spawn").Process(
         target=run_scheduler, args=(engine_config, to_sched, from_sched, http.log_level),
         name="sgl-scheduler")  # not a daemon: it may start tensor-parallel ranks

@@ -219,6 +219,18 @@ def test_the_http_process_holds_no_torch(tiny_server):
     assert "libtorch" not in http_maps
 
 
+def test_the_scheduler_starts_with_the_openmp_wait_it_needs(tiny_server):
+    """The scheduler process loads OpenMP with ``GOMP_SPINCOUNT`` set (the module's value, or
+    the one the user exported): with libgomp's default spin a forward pass on two threads took
+    1-2 s while another process used a core (server.model.cpu_threads)."""
+    from server.model.cpu_threads import GOMP_SPIN_COUNT
+
+    with open(f"/proc/{tiny_server.scheduler_pid()}/environ", "rb") as f:
+        environ = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+    assert environ.get(b"GOMP_SPINCOUNT", b"").decode() == \
+        os.environ.get("GOMP_SPINCOUNT", GOMP_SPIN_COUNT)
+
+
 def test_a_stream_whose_client_stops_reading_is_aborted(make_tiny_model):
     """Top-20 logprobs streamed to a client that stops reading: the server stops pulling the
     request's outputs (backpressure), keeps answering, and aborts it in the scheduler once its

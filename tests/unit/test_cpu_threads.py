@@ -118,3 +118,10 @@ def test_a_fixed_count_never_moves_and_is_restored_before_each_pass(machine):
 def test_without_the_counters_the_count_stays_at_every_core(machine, tmp_path):
     t = ct.AdaptiveThreads(cores=frozenset({0, 1}), stat_path=str(tmp_path / "missing"))
     assert not t.adaptive and t.threads == 2
+
+
+def test_openmp_env_keeps_the_users_spin_count(monkeypatch):
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    assert ct.openmp_env() == {"GOMP_SPINCOUNT": ct.GOMP_SPIN_COUNT}
+    monkeypatch.setenv("GOMP_SPINCOUNT", "INFINITE")
+    assert ct.openmp_env() == {"GOMP_SPINCOUNT": "INFINITE"}
