@@ -225,7 +225,7 @@ class Engine:
                      logprobs: LogprobOptions = LogprobOptions(), rid: str | None = None,
                      cache_salt: str | None = None, reasoning: Any = None,
                      images: Sequence[tuple[int, int, bytes]] = (),
-                     pixels: Sequence[torch.Tensor] | None = None) -> Req:
+                     pixels: Sequence[torch.Tensor] | None = None, embed: bool = False) -> Req:
         """Tokenize and wrap one prompt (str or token ids) as a scheduler request.
 
         ``cache_salt`` puts the request in its own radix-cache namespace: it shares cached KV
@@ -234,9 +234,12 @@ class Engine:
         thinks. ``images``: (offset, radix key, encoded bytes) of each image of a prompt whose
         image tokens are already expanded (``images.expand``); ``pixels``: their pixel
         values when already computed (``images.preprocess_async``), else they are computed
-        here. Raises GrammarError for a
+        here. ``embed``: an embedding request (``params.max_new_tokens`` must be 0): it
+        finishes after its prefill with ``Req.embedding`` set. Raises GrammarError for a
         constraint that does not compile, InvalidRequestError for images a model cannot
         take."""
+        if embed and params.max_new_tokens:
+            raise InvalidRequestError("max_new_tokens", "an embedding request generates nothing")
         ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         image_inputs = self.images.inputs(ids, images, pixels) if images else ()
         grammar = (self.grammars.matcher(params.grammar, sorted(self.eos_ids))
@@ -246,7 +249,7 @@ class Engine:
                                             reasoning.start_id)
         return Req(rid=rid or uuid.uuid4().hex, input_ids=ids, params=params,
                    eos_ids=self.eos_ids, logprobs=logprobs, namespace=cache_salt,
-                   grammar=grammar, images=image_inputs)
+                   grammar=grammar, images=image_inputs, embed=embed)
 
     # ---------------------------------------------------------------- generation
     def generate(self, prompt: Prompt | Sequence[Prompt] | None = None,

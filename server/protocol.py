@@ -56,6 +56,7 @@ class GenerateReq(msgspec.Struct, tag=True):
     namespace: str | None = None
     reasoning: ReasoningGate | None = None
     images: list[ImagePart] = []
+    embed: bool = False  # an embedding request: prefill only (max_new_tokens 0), its vector back
 
 
 class AbortReq(msgspec.Struct, tag=True):
@@ -92,6 +93,7 @@ class Ready(msgspec.Struct, tag=True):
     compiled: bool = False
     batch_invariant: bool = False  # ModelRunner.batch_invariant
     speculative_ngram: int = 0  # resolved draft length (0 = off)
+    hidden_size: int = 0  # the length of an embedding (the model's hidden size)
 
 
 class ReqOutput(msgspec.Struct):
@@ -111,6 +113,7 @@ class ReqOutput(msgspec.Struct):
     output_top_logprobs: list[list[tuple[float, int]]] = []
     input_token_logprobs: list[tuple[float | None, int]] = []
     input_top_logprobs: list[list[tuple[float, int]]] = []
+    embedding: list[float] | None = None  # an embedding request's vector, with its finish
 
 
 class BatchOutput(msgspec.Struct, tag=True):

@@ -181,15 +181,37 @@ async def _generate_images(manager: TokenizerManager, image_data: Any, prompts: 
     return out
 
 
-async def _prompts(manager: TokenizerManager, prompt: Any) -> list[list[int]]:
+async def admit_embedding(manager: TokenizerManager, given: Any, param: str
+                          ) -> list[GenerateInput]:
+    """/v1/embeddings ``input`` or /encode ``text``/``input_ids`` (``param`` names it): one
+    prefill-only input per text, each must hold at least one token. Raises ApiError."""
+    single = isinstance(given, str) or all(isinstance(p, int) for p in given)
+    _check_batch(manager, 1 if single else len(given), param)
+    inputs = []
+    for k, ids in enumerate(await _prompts(manager, given, param)):
+        where = param if single else f"{param}[{k}]"
+        if not ids:
+            raise ApiError(400, f"{where} is empty: an embedding needs at least one token",
+                           param=param)
+        if len(ids) > manager.info.context_len:
+            raise ApiError(400, f"{where} has {len(ids)} tokens; the context length is "
+                           f"{manager.info.context_len}", param=param)
+        inp = GenerateInput(ids, SamplingParams(max_new_tokens=0), embed=True)
+        manager.validate(inp, {"input_ids": param})
+        inputs.append(inp)
+    return inputs
+
+
+async def _prompts(manager: TokenizerManager, prompt: Any, param: str = "prompt"
+                   ) -> list[list[int]]:
     if isinstance(prompt, str):
-        return [await manager.encode_async(prompt)]
+        return [await manager.encode_async(prompt, param)]
     if not prompt:
-        raise ApiError(400, "prompt is empty", param="prompt")
+        raise ApiError(400, f"{param} is empty", param=param)
     if all(isinstance(p, int) for p in prompt):
         return [list(prompt)]
     if all(isinstance(p, str) for p in prompt):
-        return [await manager.encode_async(p) for p in prompt]
+        return [await manager.encode_async(p, param) for p in prompt]
     return [list(p) for p in prompt]
 
 

@@ -14,7 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from server.http import native_routes, openai_routes, ops_routes, responses_routes
+from server.http import embedding_routes, native_routes, openai_routes, ops_routes, responses_routes
 from server.http.auth import APIKeyMiddleware
 from server.http.body import document_bodies
 from server.http.drain import Drain, DrainGate
@@ -112,7 +112,8 @@ def create_app(manager: TokenizerManager, *, model_name: str, model_path: str | 
         if exc.status_code == 404:  # name the route: a bare "Not Found" reads as a missing model
             return error_response(404, f"route {request.method} {request.url.path} is not "
                                   "served by this server (OpenAI routes: /v1/models, "
-                                  "/v1/completions, /v1/chat/completions, /v1/responses)",
+                                  "/v1/completions, /v1/chat/completions, /v1/responses, "
+                                  "/v1/embeddings)",
                                   "invalid_request_error")
         if exc.status_code == 405:
             return error_response(405, f"{request.method} is not allowed on "
@@ -120,8 +121,8 @@ def create_app(manager: TokenizerManager, *, model_name: str, model_path: str | 
         return error_response(exc.status_code, str(exc.detail),
                               "invalid_request_error" if exc.status_code < 500 else "server_error")
 
-    routers = [openai_routes.router, responses_routes.router, native_routes.router,
-               ops_routes.router]
+    routers = [openai_routes.router, responses_routes.router, embedding_routes.router,
+               native_routes.router, ops_routes.router]
     for router in routers:
         app.include_router(router)
     document_bodies(app, routers)

@@ -187,6 +187,26 @@ class GenerateRequest(RequestBody):
     separate_reasoning: bool = False
 
 
+class EmbeddingRequest(RequestBody):
+    """The body of ``POST /v1/embeddings`` (OpenAI's shape): a text, a list of texts, token
+    ids or a list of them."""
+
+    input: str | list[str] | list[int] | list[list[int]]
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+    user: str | None = None
+
+
+class EncodeRequest(RequestBody):
+    """The body of SGLang's native ``POST /encode``: ``text`` or ``input_ids``, single or
+    batch."""
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    rid: str | list[str] | None = None
+
+
 class AbortRequest(RequestBody):
     """The body of ``POST /abort_request``."""
 

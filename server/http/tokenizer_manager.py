@@ -58,6 +58,7 @@ class GenerateInput:
     # False when the client gave no max_tokens and params.max_new_tokens is the rest of the
     # context (counted: such a request's length is up to the model)
     max_tokens_given: bool = True
+    embed: bool = False  # an embedding request (params.max_new_tokens 0): the vector comes back
 
 
 @dataclass
@@ -324,7 +325,7 @@ class TokenizerManager:
                 return_logprob=inp.return_logprob, logprob_start_len=inp.logprob_start_len,
                 top_logprobs_num=inp.top_logprobs_num, namespace=inp.namespace,
                 reasoning=self._gate(inp),
-                images=[P.ImagePart(o, k, d) for o, k, d in inp.images])))
+                images=[P.ImagePart(o, k, d) for o, k, d in inp.images], embed=inp.embed)))
             first = True
             pending: collections.deque = collections.deque()
             text = OutputText(self.tokenizer, inp.input_ids, inp.params.stop,

@@ -83,6 +83,9 @@ class ImageInput:
 
 @dataclass
 class RunnerOutput:
-    """logits: [N, vocab] float32, row i for ``batch.logits_indices[i]``."""
+    """logits: [N, vocab] float32, row i for ``batch.logits_indices[i]``; hidden: those rows'
+    final hidden states [N, hidden] (after the final norm, the model's dtype), None where the
+    pass does not keep them (a replayed CUDA graph)."""
 
     logits: torch.Tensor
+    hidden: torch.Tensor | None = None

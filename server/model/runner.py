@@ -167,8 +167,9 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch) -> RunnerOutput:
         """Run one pass; writes the new tokens' K/V into ``batch.out_cache_loc``.
 
-        Returns logits [len(batch.logits_indices), vocab] float32 on the model's device (a
-        decode step on CUDA replays a captured graph when one fits the batch).
+        Returns logits [len(batch.logits_indices), vocab] float32 on the model's device and
+        those rows' final hidden states (a decode step on CUDA replays a captured graph when
+        one fits the batch: no hidden states).
         """
         if self.tp is not None and self.tp.shard.rank == 0:
             send_batch(self.tp, batch)
@@ -209,4 +210,4 @@ class ModelRunner:
             hidden = self._hidden(batch.input_ids.to(dev), batch.positions.to(dev), rows)
         if rows.numel() == 0:
             return RunnerOutput(torch.empty((0, self.arch.vocab_size), dtype=torch.float32))
-        return RunnerOutput(self.model.compute_logits(hidden))
+        return RunnerOutput(self.model.compute_logits(hidden), hidden)

@@ -39,7 +39,8 @@ from server.router.policy import WorkerState, make_policy
 from server.router.tree import PrefixTree
 
 log = logging.getLogger("server.router")
-ROUTED_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions", "/v1/responses")
+ROUTED_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions", "/v1/responses",
+                "/v1/embeddings", "/encode")
 DEFAULT_CAPACITY_TOKENS = 65536
 
 
@@ -83,8 +84,10 @@ def request_key(path: str, body: dict[str, Any]) -> str:
                     content = [{"text": p.get("text")} for p in content if isinstance(p, dict)]
                 messages.append({"role": item["role"], "content": content})
         return request_key("/v1/chat/completions", {"messages": messages})
-    prompt = body.get("text") if path == "/generate" else body.get("prompt")
-    if prompt is None and path == "/generate":
+    native = path in ("/generate", "/encode")
+    prompt = body.get("text") if native else body.get(
+        "input" if path == "/v1/embeddings" else "prompt")
+    if prompt is None and native:
         prompt = body.get("input_ids")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
         prompt = prompt[0]  # a batch goes where its first prompt goes

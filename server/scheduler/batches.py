@@ -31,7 +31,8 @@ def logit_positions(req: Req, start: int, end: int) -> list[int]:
     if req.wants_input_logprobs:
         first = req.logprobs.logprob_start_len + len(req.input_token_logprobs) - 1
         wanted.extend(range(max(start, first), min(end, len(req.input_ids) - 1)))
-    if end == req.fill_len and req.params.max_new_tokens > 0 and end - 1 not in wanted:
+    if end == req.fill_len and (req.params.max_new_tokens > 0 or req.embed) \
+            and end - 1 not in wanted:
         wanted.append(end - 1)
     return wanted
 

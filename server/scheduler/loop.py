@@ -131,7 +131,8 @@ class SchedulerLoop:
                 msg.input_ids, params, LogprobOptions(msg.return_logprob, msg.logprob_start_len,
                                                       msg.top_logprobs_num),
                 rid=msg.rid, cache_salt=msg.namespace, reasoning=msg.reasoning,
-                images=[(im.offset, im.key, im.data) for im in msg.images], pixels=pixels)
+                images=[(im.offset, im.key, im.data) for im in msg.images], pixels=pixels,
+                embed=msg.embed)
             self.engine.scheduler.add_request(req)
         except _REFUSED as exc:
             return self._refuse(msg.rid, exc)
@@ -171,7 +172,8 @@ class SchedulerLoop:
                 output_token_logprobs=req.output_token_logprobs[sent.out:],
                 output_top_logprobs=req.output_top_logprobs[sent.out_top:],
                 input_token_logprobs=req.input_token_logprobs[sent.inp:],
-                input_top_logprobs=req.input_top_logprobs[sent.inp_top:])
+                input_top_logprobs=req.input_top_logprobs[sent.inp_top:],
+                embedding=req.embedding if d.finish_reason is not None else None)
             sent.out, sent.out_top = len(req.output_token_logprobs), len(req.output_top_logprobs)
             sent.inp, sent.inp_top = len(req.input_token_logprobs), len(req.input_top_logprobs)
             if d.finish_reason is not None:
@@ -248,7 +250,8 @@ def run_scheduler_process(config: EngineConfig, to_scheduler: str, from_schedule
         dtype=mc.dtype, device=mc.device, kv_cache_dtype=mc.kv_cache_dtype,
         kv_bytes_per_token=engine.kv_pool.bytes_per_token(),
         attention_backend=mc.attention_backend, quantization=quant, compiled=engine.runner.compiled,
-        batch_invariant=engine.runner.batch_invariant, speculative_ngram=ngram)))
+        batch_invariant=engine.runner.batch_invariant, speculative_ngram=ngram,
+        hidden_size=engine.arch.hidden_size)))
     loop = SchedulerLoop(engine, recv, send)
     engine.prepare_grammars()
 

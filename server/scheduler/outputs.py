@@ -14,6 +14,7 @@ from typing import Any, Sequence
 import torch
 
 from server.constrained.jump_forward import accepted_prefix, draft_tokens
+from server.model.forward_batch import RunnerOutput
 from server.model.sampling import Sampler, argmax_decides, argmax_rows, top_logprobs
 from server.scheduler.ngram import ngram_draft
 from server.scheduler.request import FinishReason, Req
@@ -42,6 +43,15 @@ def record_input_logprobs(req: Req, positions: Sequence[int], rows: Sequence[int
     req.input_token_logprobs.extend(zip(chosen, targets))
     if req.logprobs.top_logprobs_num:
         req.input_top_logprobs.extend(top_logprobs(lp, req.logprobs.top_logprobs_num))
+
+
+def last_token_embedding(out: RunnerOutput, row: int) -> list[float]:
+    """An embedding request's vector: the final hidden state of its prompt's last token
+    (last-token pooling, as Qwen3-Embedding, e5-mistral and gte-Qwen2 pool), L2-normalized, as
+    float32 values. Raises RuntimeError when the pass kept no hidden states."""
+    if out.hidden is None:
+        raise RuntimeError("this forward pass kept no hidden states")
+    return torch.nn.functional.normalize(out.hidden[row].float(), dim=0).tolist()
 
 
 def take_rows(logits: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:

@@ -85,6 +85,10 @@ class Req:
     draft_source: str = ""  # where ``draft`` came from: "jump_forward" or "ngram"
     passed_steps: int = 0  # scheduling steps in which later arrivals were admitted first
     finish_reason: FinishReason | None = None
+    # an embedding request (prefill only): its last prompt token's final hidden state,
+    # L2-normalized, float32, set when its prefill ends
+    embed: bool = False
+    embedding: list[float] | None = None
     arrival_time: float = field(default_factory=time.monotonic)  # seconds, monotonic clock
     finish_time: float | None = None
     # logprob results: lists of (logprob | None, token_id), and top-k lists per position

@@ -7,12 +7,11 @@ and releases finished requests (their computed KV goes into the radix cache). Ne
 between steps; finished ones leave.
 
 Admission: the waiting queue is ordered by the policy behind the starvation bound
-(:mod:`server.scheduler.waiting`), and each request in turn gets its
-cached prefix locked (capped at len-1 so at least one token is computed) and a chunk of its
-uncached tokens, while the token budget (``chunked_prefill_size`` new tokens per extend batch)
-and memory last. Memory for admission counts free plus evictable slots, minus a reservation for
-what admitted requests will still need: their uncomputed prompt plus
-``min(remaining max_new_tokens, max_new_tokens_reserve)``.
+(:mod:`server.scheduler.waiting`), and each request in turn gets its cached prefix locked (capped
+at len-1 so at least one token is computed) and a chunk of its uncached tokens, while the token
+budget (``chunked_prefill_size`` new tokens per extend batch) and memory last. Memory for admission
+counts free plus evictable slots, minus a reservation for what admitted requests will still need:
+their uncomputed prompt plus ``min(remaining max_new_tokens, max_new_tokens_reserve)``.
 
 Mixed batches (``mixed_chunk``, SGLang's ``--enable-mixed-chunk``; vLLM's chunked prefill
 schedules the same way): every extend batch also carries one decode token of each running
@@ -51,6 +50,7 @@ from server.scheduler.draft_cost import DraftGate
 from server.scheduler.metrics import SchedulerStats, snapshot
 from server.scheduler.outputs import (
     TokenDelta,
+    last_token_embedding,
     record_input_logprobs,
     sample_and_append,
     set_draft,
@@ -311,6 +311,7 @@ class Scheduler:
                 req.status = ReqStatus.RUNNING
                 self.running.append(req)
                 if req.params.max_new_tokens == 0:  # prefill-only: cache it and finish
+                    req.embedding = last_token_embedding(out, rows[-1]) if req.embed else None
                     deltas.append(self._finish(req, FinishReason("length")))
                     continue
             to_sample.append((req, rows[-1]))

@@ -5,8 +5,11 @@ and structured outputs are grammar-enforced and whose batches share their prefix
 
     llm = ChatSGLang(base_url="http://127.0.0.1:30000", temperature=0)
     person = llm.with_structured_output(Person).invoke("Ada Lovelace was 36.")
+
+:class:`SGLangEmbeddings` embeds texts with the same server (``/v1/embeddings``).
 """
 
 from sgl_adapters.langchain.chat_model import ChatSGLang
+from sgl_adapters.langchain.embeddings import SGLangEmbeddings
 
-__all__ = ["ChatSGLang"]
+__all__ = ["ChatSGLang", "SGLangEmbeddings"]

@@ -329,9 +329,9 @@ def test_unknown_route_is_openai_style_404(healthy):
     """The error names the route (a bare "Not Found" reads as a missing model to LangChain)."""
     with healthy.client() as c:
         check_error(c.get("/v1/nope"), 404)
-        r = c.post("/v1/embeddings", json={"input": "hi", "model": "x"})
+        r = c.post("/v1/audio/speech", json={"input": "hi", "model": "x"})
         check_error(r, 404)
-        assert "/v1/embeddings" in r.json()["error"]["message"]
+        assert "/v1/audio/speech" in r.json()["error"]["message"]
 
 
 def test_retrieve_model(healthy):

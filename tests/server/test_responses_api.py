@@ -270,8 +270,8 @@ def test_langchain_openai_use_responses_api(healthy):
 def test_langchain_reports_a_missing_route_as_such(healthy):
     """An unserved route names itself (a bare 404 reads to LangChain as a missing model)."""
     with httpx.Client(base_url=healthy.url) as c:
-        r = c.post("/v1/embeddings", json={"input": "x", "model": "m"})
-    assert r.status_code == 404 and "/v1/embeddings" in r.json()["error"]["message"]
+        r = c.post("/v1/audio/speech", json={"input": "x", "model": "m"})
+    assert r.status_code == 404 and "/v1/audio/speech" in r.json()["error"]["message"]
 
 
 @pytest.mark.default_model

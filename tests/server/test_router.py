@@ -54,6 +54,8 @@ def test_policies():
     assert request_key("/v1/responses", {"input": "Q"}) == "<user>Q"
     assert request_key("/generate", {"input_ids": [1, 2]}) == "1,2,"
     assert request_key("/generate", {"text": ["t1", "t2"]}) == "t1"
+    assert request_key("/v1/embeddings", {"input": ["t1", "t2"]}) == "t1"
+    assert request_key("/encode", {"input_ids": [3]}) == "3,"
 
 
 @pytest.fixture(scope="module")
@@ -148,8 +150,8 @@ def test_chained_responses_follow_the_worker_that_stored_them(cluster):
         client.responses.delete(r.id)
         missing = httpx.get(f"{url}/v1/responses/{r.id}")
         assert missing.status_code == 404 and r.id in missing.json()["error"]["message"]
-        other = httpx.post(url + "/v1/embeddings", json={"input": "x"})
-        assert other.status_code == 404 and "/v1/embeddings" in other.json()["error"]["message"]
+        other = httpx.post(url + "/v1/audio/speech", json={"input": "x"})
+        assert other.status_code == 404 and "/v1/audio/speech" in other.json()["error"]["message"]
     finally:
         proc.terminate()
         proc.wait(30)
@@ -168,6 +170,11 @@ def test_streams_and_apis_pass_through(cluster):
     assert r.status_code == 400  # the worker's own 400 comes back as it is
     r = httpx.post(url + "/generate", content=b"{not json")
     assert r.status_code == 400
+    vecs = client.embeddings.create(model="m", input="a").data  # these workers queue one
+    assert len(vecs) == 1 and len(vecs[0].embedding) > 0
+    r = httpx.post(url + "/encode", json={"text": "a"})
+    assert r.status_code == 200
+    assert max(abs(x - y) for x, y in zip(r.json()["embedding"], vecs[0].embedding)) < 1e-5
 
 
 def test_a_503_worker_is_backed_off_and_the_request_fails_over(cluster):

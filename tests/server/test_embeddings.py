@@ -1,0 +1,99 @@
+"""/v1/embeddings and /encode on a live server: vectors equal transformers' last hidden state of
+the last token (normalized) on the same weights, whatever the batch, the cache or the encoding;
+bad inputs are 4xx naming the field and leave nothing behind; the real openai client decodes
+them."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import openai
+import pytest
+import torch
+
+IDS = [[5, 17, 301, 42, 7, 99], [5, 17, 301, 42, 8], [1000, 2000, 3000]]
+
+
+def _reference(hf_model, ids: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        h = hf_model.model(torch.tensor([ids])).last_hidden_state[0, -1]
+    return torch.nn.functional.normalize(h, dim=0).numpy()
+
+
+@pytest.fixture
+def client(tiny_server):
+    return openai.OpenAI(base_url=tiny_server.url + "/v1", api_key="x", max_retries=0)
+
+
+def test_vectors_are_the_last_tokens_hidden_state_normalized(tiny_server, make_tiny_model,
+                                                             client):
+    _, hf = make_tiny_model("llama")
+    batch = client.embeddings.create(model="m", input=IDS, encoding_format="float")
+    assert [d.index for d in batch.data] == [0, 1, 2]
+    assert batch.usage.prompt_tokens == batch.usage.total_tokens == sum(map(len, IDS))
+    for d, ids in zip(batch.data, IDS):
+        assert np.allclose(d.embedding, _reference(hf, ids), atol=1e-4)
+        assert abs(np.linalg.norm(d.embedding) - 1) < 1e-5
+    # alone (a cache hit on the shared prefix now) and base64 (the client's default): the same
+    alone = client.embeddings.create(model="m", input=IDS[1])
+    assert np.allclose(alone.data[0].embedding, batch.data[1].embedding, atol=1e-5)
+    native = tiny_server.client().post("/encode", json={"input_ids": IDS[0], "rid": "e1"}).json()
+    assert native["meta_info"]["id"] == "e1" and native["meta_info"]["prompt_tokens"] == 6
+    assert native["meta_info"]["cached_tokens"] > 0
+    assert np.allclose(native["embedding"], batch.data[0].embedding, atol=1e-5)
+
+
+def test_text_input_and_native_batch(tiny_server, make_tiny_model):
+    _, hf = make_tiny_model("llama")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(make_tiny_model("llama")[0])
+    texts = ["The cat sat on the mat.", "A dog"]
+    with tiny_server.client() as c:
+        out = c.post("/encode", json={"text": texts}).json()
+        openai_shape = c.post("/v1/embeddings", json={"input": texts[0]}).json()
+    assert isinstance(out, list) and len(out) == 2
+    for res, text in zip(out, texts):
+        assert np.allclose(res["embedding"], _reference(hf, tok(text)["input_ids"]), atol=1e-4)
+    assert openai_shape["object"] == "list" and openai_shape["data"][0]["object"] == "embedding"
+    assert np.allclose(openai_shape["data"][0]["embedding"], out[0]["embedding"], atol=1e-5)
+
+
+@pytest.mark.parametrize("body, param, status", [
+    ({"input": ""}, "input", 400),
+    ({"input": []}, "input", 400),
+    ({"input": ["fine", ""]}, "input", 400),
+    ({"input": [[1, 2, 10**9]]}, "input", 400),
+    ({"input": list(range(1, 600))}, "input", 400),  # over the 512-token context
+    ({"input": "x", "dimensions": 8}, "dimensions", 400),
+    ({"input": "x", "encoding_format": "int8"}, "encoding_format", 400),
+    ({"input": ["x"] * 1000}, "input", 413),
+])
+def test_bad_inputs_are_4xx_naming_the_field(tiny_server, body, param, status):
+    with tiny_server.client() as c:
+        r = c.post("/v1/embeddings", json=body)
+        assert r.status_code == status, r.text
+        assert r.json()["error"]["param"] == param
+        assert c.post("/encode", json={"text": "a", "input_ids": [1]}).status_code == 400
+        assert c.post("/v1/embeddings", json={"input": "still fine"}).is_success
+    metrics = tiny_server.server_info()["metrics"]
+    assert metrics["kv_usage"] == 0 and metrics["running_requests"] == 0
+
+
+def test_embeddings_run_beside_a_generation(tiny_server, client):
+    """Embedding requests join the running batch: a stream and 16 embeddings both finish."""
+    done = {}
+
+    def stream():
+        with tiny_server.client() as c:
+            r = c.post("/generate", json={"input_ids": [3, 4, 5], "sampling_params": {
+                "max_new_tokens": 64, "ignore_eos": True, "temperature": 0}})
+            done["gen"] = r.json()["meta_info"]["completion_tokens"]
+
+    t = threading.Thread(target=stream)
+    t.start()
+    vectors = client.embeddings.create(model="m", input=[[7, i + 1] for i in range(16)])
+    t.join(60)
+    assert done["gen"] == 64 and len(vectors.data) == 16
+    assert len({tuple(np.round(d.embedding, 5)) for d in vectors.data}) == 16
