@@ -40,7 +40,7 @@ async def admit_completion(manager: TokenizerManager, body: CompletionRequest
     if body.suffix:
         raise ApiError(400, "'suffix' is not supported", param="suffix")
     single = isinstance(body.prompt, str) or all(isinstance(p, int) for p in body.prompt)
-    _check_batch(manager, (1 if single else len(body.prompt)) * body.n, "prompt")  # before
+    check_batch(manager, (1 if single else len(body.prompt)) * body.n, "prompt")  # before
     prompts = await _prompts(manager, body.prompt)  # tokenizing 1,010 prompts cost 0.24 s
     want_lp = body.logprobs is not None
     given = body.max_tokens if "max_tokens" in body.model_fields_set or \
@@ -88,7 +88,7 @@ async def admit_chat(manager: TokenizerManager, body: ChatCompletionRequest
     given = max_tokens is not None
     if not given:
         max_tokens = _default_max_tokens(manager, len(ids))
-    _check_batch(manager, body.n, "n")
+    check_batch(manager, body.n, "n")
     inputs = [GenerateInput(ids, _params(body, max_tokens, j, constraint),
                             return_logprob=body.logprobs, top_logprobs_num=body.top_logprobs or 0,
                             reasoning_state=state, images=image_parts, max_tokens_given=given)
@@ -98,7 +98,7 @@ async def admit_chat(manager: TokenizerManager, body: ChatCompletionRequest
     return inputs, tools, use_tools
 
 
-def _check_batch(manager: TokenizerManager, count: int, param: str) -> None:
+def check_batch(manager: TokenizerManager, count: int, param: str) -> None:
     """A request runs ``count`` sequences (prompts x n): at most MAX_BATCH and the server's
     queue size (413 naming the limit, which no retry changes), and all of them or none enter
     the queue (503 + Retry-After when they do not fit now), so a batch never half-starts."""
@@ -186,7 +186,7 @@ async def admit_embedding(manager: TokenizerManager, given: Any, param: str
     """/v1/embeddings ``input`` or /encode ``text``/``input_ids`` (``param`` names it): one
     prefill-only input per text, each must hold at least one token. Raises ApiError."""
     single = isinstance(given, str) or all(isinstance(p, int) for p in given)
-    _check_batch(manager, 1 if single else len(given), param)
+    check_batch(manager, 1 if single else len(given), param)
     inputs = []
     for k, ids in enumerate(await _prompts(manager, given, param)):
         where = param if single else f"{param}[{k}]"
@@ -277,7 +277,7 @@ async def admit_generate(manager: TokenizerManager, body: GenerateRequest
     single = isinstance(given, str) if body.text is not None else \
         (not given or isinstance(given[0], int))
     # sized before tokenizing (1,010 prompts took 0.24 s of the HTTP process to refuse)
-    _check_batch(manager, 1 if single else len(given),
+    check_batch(manager, 1 if single else len(given),
                  "text" if body.text is not None else "input_ids")
     if body.text is not None:
         prompts = [await manager.encode_async(t, "text")

@@ -14,7 +14,14 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from server.http import embedding_routes, native_routes, openai_routes, ops_routes, responses_routes
+from server.http import (
+    embedding_routes,
+    native_routes,
+    openai_routes,
+    ops_routes,
+    rerank_routes,
+    responses_routes,
+)
 from server.http.auth import APIKeyMiddleware
 from server.http.body import document_bodies
 from server.http.drain import Drain, DrainGate
@@ -122,7 +129,7 @@ def create_app(manager: TokenizerManager, *, model_name: str, model_path: str | 
                               "invalid_request_error" if exc.status_code < 500 else "server_error")
 
     routers = [openai_routes.router, responses_routes.router, embedding_routes.router,
-               native_routes.router, ops_routes.router]
+               rerank_routes.router, native_routes.router, ops_routes.router]
     for router in routers:
         app.include_router(router)
     document_bodies(app, routers)

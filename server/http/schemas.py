@@ -207,6 +207,33 @@ class EncodeRequest(RequestBody):
     rid: str | list[str] | None = None
 
 
+class RerankDocument(_Body):
+    """A document to rerank given as an object (Jina's and Cohere's shape)."""
+
+    text: str
+
+
+class RerankRequest(RequestBody):
+    """The body of ``POST /v1/rerank`` (the Jina / Cohere shape SGLang and vLLM accept)."""
+
+    query: str
+    documents: list[str | RerankDocument]
+    model: str | None = None
+    top_n: int | None = Field(None, ge=1)
+    return_documents: bool = True
+    instruct: str | None = None  # the task the relevance is judged for (Qwen3-Reranker's)
+
+
+class ScoreRequest(RequestBody):
+    """The body of vLLM's ``POST /score``: ``text_1`` (one query, or one per ``text_2``)
+    scored against each of ``text_2``."""
+
+    text_1: str | list[str]
+    text_2: str | list[str]
+    model: str | None = None
+    instruct: str | None = None
+
+
 class AbortRequest(RequestBody):
     """The body of ``POST /abort_request``."""
 

@@ -40,7 +40,7 @@ from server.router.tree import PrefixTree
 
 log = logging.getLogger("server.router")
 ROUTED_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions", "/v1/responses",
-                "/v1/embeddings", "/encode")
+                "/v1/embeddings", "/encode", "/v1/rerank", "/rerank", "/score")
 DEFAULT_CAPACITY_TOKENS = 65536
 
 
@@ -84,6 +84,9 @@ def request_key(path: str, body: dict[str, Any]) -> str:
                     content = [{"text": p.get("text")} for p in content if isinstance(p, dict)]
                 messages.append({"role": item["role"], "content": content})
         return request_key("/v1/chat/completions", {"messages": messages})
+    if path in ("/v1/rerank", "/rerank", "/score"):  # the query: its prefix is shared
+        return request_key("/v1/completions", {"prompt": body.get(
+            "text_1" if path == "/score" else "query")})
     native = path in ("/generate", "/encode")
     prompt = body.get("text") if native else body.get(
         "input" if path == "/v1/embeddings" else "prompt")

@@ -1,7 +1,7 @@
-"""Embeddings from the bundled server through the clients users point at it, on the default
-model: ``SGLangEmbeddings`` (LangChain's standard embeddings suite), stock
+"""Embeddings and reranking from the bundled server through the clients users point at it, on
+the default model: ``SGLangEmbeddings`` (LangChain's standard embeddings suite), stock
 ``langchain_openai.OpenAIEmbeddings`` and ``dspy.Embedder``, unmodified, all giving the server's
-vectors."""
+vectors; ``SGLangRerank`` as a LangChain document compressor."""
 
 from __future__ import annotations
 
@@ -76,3 +76,23 @@ def test_dspy_embedder_gets_the_same_vectors(default_server, ours):
     vecs = embedder(TEXTS[:2])
     assert vecs.shape == (2, 576)
     assert np.allclose(vecs, ours.embed_documents(TEXTS[:2]), atol=1e-5)
+
+
+@pytest.mark.default_model
+def test_sglang_rerank_reorders_documents_by_the_servers_scores(default_server):
+    from langchain_core.documents import Document
+
+    from sgl_adapters.langchain import SGLangRerank
+
+    docs = [Document(page_content=t, metadata={"k": k}, id=str(k)) for k, t in enumerate(TEXTS)]
+    query = "Which city is the capital of France?"
+    kept = SGLangRerank(base_url=default_server.url, top_n=2).compress_documents(docs, query)
+    assert len(kept) == 2
+    scores = [d.metadata["relevance_score"] for d in kept]
+    assert scores == sorted(scores, reverse=True) and all(0 <= s <= 1 for s in scores)
+    every = SGLangRerank(base_url=default_server.url, top_n=None).rerank(
+        query, [d.page_content for d in docs])
+    assert [(d.id, d.metadata["relevance_score"]) for d in kept] == \
+        [(str(k), s) for k, s in every[:2]]
+    assert every[0][1] >= every[-1][1] and sorted(k for k, _ in every) == [0, 1, 2]
+    assert SGLangRerank(base_url=default_server.url).compress_documents([], query) == []

@@ -56,6 +56,8 @@ def test_policies():
     assert request_key("/generate", {"text": ["t1", "t2"]}) == "t1"
     assert request_key("/v1/embeddings", {"input": ["t1", "t2"]}) == "t1"
     assert request_key("/encode", {"input_ids": [3]}) == "3,"
+    assert request_key("/v1/rerank", {"query": "q", "documents": ["d"]}) == "q"
+    assert request_key("/score", {"text_1": ["q1", "q2"], "text_2": ["a", "b"]}) == "q1"
 
 
 @pytest.fixture(scope="module")
@@ -175,6 +177,9 @@ def test_streams_and_apis_pass_through(cluster):
     r = httpx.post(url + "/encode", json={"text": "a"})
     assert r.status_code == 200
     assert max(abs(x - y) for x, y in zip(r.json()["embedding"], vecs[0].embedding)) < 1e-5
+    r = httpx.post(url + "/v1/rerank", json={"query": "q", "documents": ["d"]})
+    assert r.status_code == 413  # forwarded: a document takes two of the one a worker queues
+    assert r.json()["error"]["param"] == "documents"
 
 
 def test_a_503_worker_is_backed_off_and_the_request_fails_over(cluster):
