@@ -1,5 +1,5 @@
 """SGLang-style native routes: /generate (text or input_ids, single or batch, streaming),
-/flush_cache, /abort_request. Field names and shapes follow SGLang 0.5's
+/flush_cache, /abort_request, /concate_and_append_request. Field names and shapes follow SGLang 0.5's
 (``sglang/srt/managers/tokenizer_manager.py``) so its clients work unmodified.
 
 Response of /generate: ``{"text", "output_ids", "meta_info": {"id", "prompt_tokens",
@@ -41,7 +41,7 @@ from server.http.responses import (
     sse,
     start_streams,
 )
-from server.http.schemas import AbortRequest, GenerateRequest
+from server.http.schemas import AbortRequest, ConcatenateRequest, GenerateRequest
 from server.http.tokenizer_manager import TokenizerManager
 from server.reasoning import split
 
@@ -156,3 +156,15 @@ async def abort_request(request: Request, body: AbortRequest = Depends(body_of(A
     """End request ``rid`` (SGLang's route): it finishes with reason "abort"."""
     await manager_of(request).abort(body.rid)
     return {"aborted": body.rid}
+
+
+@router.post("/concate_and_append_request")
+async def concate_and_append(body: ConcatenateRequest = Depends(body_of(ConcatenateRequest))):
+    """SGLang's parallel encoding (its frontend's ``forks.join("concate_and_append")``): SGLang
+    splices the forks' KV, each computed after the shared prefix without seeing the others,
+    onto ``dst_rid``'s. Here nothing is spliced: the client appends the forks' text to its own
+    and sends it with its next request, whose prefix up to the end of the first fork is a
+    radix-cache hit and whose other forks are computed after it (exact attention, where
+    SGLang's splice approximates it). Answers 200 so that client goes on (any error leaves its
+    worker thread dead and the program waiting forever)."""
+    return {"success": True, "dst_rid": body.dst_rid, "src_rids": body.src_rids}

@@ -234,6 +234,13 @@ class ScoreRequest(RequestBody):
     instruct: str | None = None
 
 
+class ConcatenateRequest(RequestBody):
+    """The body of SGLang's ``POST /concate_and_append_request``."""
+
+    src_rids: list[str] = Field(max_length=256)
+    dst_rid: str
+
+
 class AbortRequest(RequestBody):
     """The body of ``POST /abort_request``."""
 

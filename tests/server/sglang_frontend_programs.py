@@ -46,6 +46,17 @@ def branches(s):
 
 
 @sgl.function
+def parallel_encoding(s, question, contexts):
+    # SGLang's test_parallel_encoding: its frontend asks the server to splice the forks' KV
+    s += "USER: Please memorize these statements.\n"
+    forks = s.fork(len(contexts))
+    forks += lambda i: f"Statement {i}: " + contexts[i] + "\n"
+    forks.join(mode="concate_and_append")
+    s += "Question: " + question + "\nASSISTANT:" + sgl.gen("answer", max_tokens=8,
+                                                           temperature=0)
+
+
+@sgl.function
 def scored(s):
     s += "Hello there" + sgl.gen("x", max_tokens=5, temperature=0, return_logprob=True,
                                  top_logprobs_num=2, logprob_start_len=0)
@@ -67,6 +78,9 @@ def tiny(url: str) -> dict:
     out["number"] = number.run(backend=be)["n"]
     b = branches.run(backend=be)
     out["ideas"] = b["ideas"]
+    p = parallel_encoding.run(question="Who is the father of Julian?", backend=be, contexts=[
+        "Ethan is the father of Liam.", "Noah is the father of Julian."])
+    out["parallel_text"], out["parallel_answer"] = p.text(), p["answer"]
     s = scored.run(backend=be)
     out["scored"] = s["x"]
     out["scored_meta"] = s.get_meta_info("x")

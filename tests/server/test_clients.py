@@ -50,6 +50,12 @@ def test_sglang_frontend_programs(healthy):
     assert re.fullmatch(r"[0-9]{3}", out["number"])
     # fork / join: each branch continues the shared prefix
     assert out["ideas"] == [_generate(healthy, f"Two ideas:\nIdea {i}:", 6) for i in range(2)]
+    # parallel encoding (forks joined by "concate_and_append"): the server's answer to the
+    # splice request lets the program go on; the answer continues the concatenated text
+    prompt = out["parallel_text"][:-len(out["parallel_answer"]) or None]
+    assert prompt.endswith("Statement 1: Noah is the father of Julian.\nQuestion: Who is the "
+                           "father of Julian?\nASSISTANT:")
+    assert out["parallel_answer"] == _generate(healthy, prompt, 8)
     # logprobs in SGLang's shapes: [logprob, token_id, text-or-null] entries
     meta = out["scored_meta"]
     assert meta["completion_tokens"] == len(meta["output_token_logprobs"]) == 5
