@@ -2,6 +2,7 @@
 bundled server (``make run`` runs this with defaults).
 
     python -m examples.rag [--pipeline all|sgl|dspy|langchain] [--n 40] [--k 3]
+                           [--retriever bm25|dense|hybrid|hybrid+rerank]
                            [--grounded] [--no-baseline] [--base-url URL]
                            [--baseline-url URL [--baseline-model NAME]]
                            [--data-dir DIR] [--out rag_results.jsonl]
@@ -15,7 +16,11 @@ the same DSPy program through DSPy's own OpenAI-compatible route (``dspy.LM("ope
 against a second server with the radix cache off, or against ``--baseline-url`` (a peer such as
 vLLM-cpu): what a user gets without this project. ``make run RUN_ARGS="--baseline-url URL"``
 passes it through. ``python -m benchmarks.programs`` runs every program both ways.
-``--grounded`` constrains span answers to a word span of a retrieved passage.
+``--grounded`` constrains span answers to a word span of a retrieved passage. ``--retriever``
+picks how passages are found (:mod:`examples.rag.dense`): BM25 (the default: it finds more gold
+passages than the default model's embeddings, ``python -m benchmarks.retrieval``), dense
+through the server's ``/v1/embeddings``, the two fused, or the fusion reranked by its
+``/v1/rerank``.
 One JSON line per question and pipeline goes to ``--out``.
 """
 
@@ -30,6 +35,7 @@ import httpx
 
 from examples.rag import metrics
 from examples.rag.data import load, mixed
+from examples.rag.dense import RETRIEVERS, make_retriever
 from examples.rag.pipelines import PIPELINES
 from examples.rag.retrieval import Retriever
 
@@ -137,6 +143,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--n", type=int, default=40, help="questions, half span, half yes/no "
                     "(default 40: the whole run in about 3 minutes on 2 cores)")
     ap.add_argument("--k", type=int, default=3, help="passages retrieved per question")
+    ap.add_argument("--retriever", choices=RETRIEVERS, default="bm25", help="how passages are "
+                    "found (default bm25; dense ones use the server's /v1/embeddings)")
     ap.add_argument("--grounded", action="store_true", help="constrain span answers to a "
                     "word span (at most 6 words) of a retrieved passage (grounded extraction)")
     ap.add_argument("--no-baseline", action="store_true", help="skip the baseline row (DSPy's "
@@ -155,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
 
     passages, questions = load(args.data_dir)
     print(f"{len(passages)} passages, {len(questions)} questions; building the BM25 index ...")
-    retriever = Retriever(passages)
+    bm25 = Retriever(passages)
     questions = mixed(questions, args.n)
     pipelines = sorted(PIPELINES, key=["sgl", "dspy", "langchain"].index) \
         if args.pipeline == "all" else [args.pipeline]
@@ -170,6 +178,11 @@ def main(argv: list[str] | None = None) -> None:
             base_url = runtimes[0].base_url
         else:
             base_url = args.base_url.rstrip("/")
+        if args.retriever != "bm25":
+            print(f"{args.retriever} retrieval: embedding the passages (once per corpus and "
+                  "model) ...")
+        retriever = make_retriever(args.retriever, passages, base_url, served_model(base_url),
+                                   bm25)
         results = []
         for name in pipelines:
             print(f"{name}: {len(questions)} questions (k={args.k}) ...")

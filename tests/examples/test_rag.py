@@ -203,3 +203,36 @@ def test_the_baseline_row_can_run_on_any_openai_compatible_server(data_dir, tmp_
     assert pipelines == {"sgl", "dspy", "langchain",
                          f"dspy, openai route, {tiny_server.url}"}
     assert "starting a second bundled server" not in capsys.readouterr().out
+
+
+def test_dense_hybrid_and_rerank_retrievers(data_dir, tmp_path, tiny_server):
+    """On the server's own /v1/embeddings and /v1/rerank (the tiny random model: rankings are
+    noise, the properties are not): a passage's own text finds it first, the vectors are kept
+    on disk, the fusion and the reranker return k distinct passages of the corpus."""
+    from examples.rag.dense import DenseRetriever, HybridRetriever, RerankRetriever, _doc, make_retriever
+
+    passages, _ = load(data_dir)
+    dense = DenseRetriever(passages, tiny_server.url, "m", cache_dir=str(tmp_path))
+    assert dense.matrix.shape[0] == 3 and dense.embed_seconds > 0
+    for p in passages:
+        assert dense.search(_doc(p), 1)[0].id == p.id
+    again = DenseRetriever(passages, tiny_server.url, "m", cache_dir=str(tmp_path))
+    assert again.embed_seconds == 0.0 and (again.matrix == dense.matrix).all()
+    hybrid = HybridRetriever(Retriever(passages, cache_dir=str(tmp_path)), dense)
+    rerank = RerankRetriever(hybrid, tiny_server.url, "m")
+    for retriever in (hybrid, rerank):
+        found = retriever.search("Harvard Yale regatta", 2)
+        assert len({p.id for p in found}) == 2 and all(p in passages for p in found)
+    assert rerank.search("Harvard Yale regatta", 3)[:2] == rerank.search("Harvard Yale regatta",
+                                                                         2)
+    with pytest.raises(ValueError, match="one of"):
+        make_retriever("colbert", passages, tiny_server.url, "m")
+
+
+def test_cli_with_a_dense_retriever(data_dir, tmp_path, tiny_server, monkeypatch):
+    monkeypatch.setattr("examples.rag.dense.CACHE_DIR", str(tmp_path / "dense"))
+    out = tmp_path / "results.jsonl"
+    main(["--pipeline", "sgl", "--n", "2", "--k", "2", "--base-url", tiny_server.url,
+          "--data-dir", data_dir, "--out", str(out), "--retriever", "hybrid+rerank"])
+    assert len(out.read_text().splitlines()) == 2
+    assert list((tmp_path / "dense").glob("*.npy"))
