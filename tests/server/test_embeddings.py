@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 
+import httpx
 import numpy as np
 import openai
 import pytest
@@ -97,3 +98,22 @@ def test_embeddings_run_beside_a_generation(tiny_server, client):
     t.join(60)
     assert done["gen"] == 64 and len(vectors.data) == 16
     assert len({tuple(np.round(d.embedding, 5)) for d in vectors.data}) == 16
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "gemma2"])
+def test_other_families_embed_and_rerank_as_transformers(make_tiny_model, kind):
+    """Qwen3 (the Qwen3-Embedding / Qwen3-Reranker base: per-head q/k norms) and Gemma 2 (a
+    scaled embedding, soft-capped logits): vectors and yes/no scores equal transformers'."""
+    from sgl_adapters.backends.runtime import Runtime
+    from tests.server.test_rerank import _reference as rerank_reference
+
+    path, hf = make_tiny_model(kind)
+    with Runtime(path, dtype="float32", max_total_tokens=4096, context_length=512,
+                 log_level="warning") as rt:
+        client = openai.OpenAI(base_url=rt.base_url + "/v1", api_key="x", max_retries=0)
+        vectors = client.embeddings.create(model="m", input=IDS[:2], encoding_format="float")
+        for d, ids in zip(vectors.data, IDS):
+            assert np.allclose(d.embedding, _reference(hf, ids), atol=1e-4)
+        r = httpx.post(rt.base_url + "/score", json={"text_1": "a question", "text_2": "a text"})
+        assert abs(r.json()["data"][0]["score"]
+                   - rerank_reference(path, hf, "a question", "a text")) < 1e-4
