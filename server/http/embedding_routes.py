@@ -15,7 +15,8 @@ hidden size (these models are not trained to be truncated: any other value is a 
 
 ``/encode`` (SGLang's shape): ``text`` or ``input_ids``, single or batch; each result is
 ``{"embedding": [...], "meta_info": {"id", "prompt_tokens", "cached_tokens"}}``, a list of
-them for a batch.
+them for a batch. A sentence-transformers directory whose ``modules.json`` pools otherwise
+(mean, CLS) is refused with a 400 rather than given last-token vectors.
 """
 
 from __future__ import annotations
@@ -34,6 +35,16 @@ from server.http.schemas import EmbeddingRequest, EncodeRequest
 from server.http.tokenizer_manager import GenerateInput
 
 router = APIRouter()
+
+
+def _check_pooling(request: Request) -> None:
+    """A sentence-transformers model that pools otherwise than by its last token (mean, CLS:
+    the BERT family's, some decoders') would get wrong vectors: 400 naming its pooling."""
+    pooling = request.app.state.pooling
+    if pooling not in (None, "lasttoken"):
+        raise ApiError(400, f"this model pools its embeddings by {pooling} "
+                       "(sentence-transformers' modules.json); the server serves last-token "
+                       "pooling only", param="model")
 
 
 async def _embed(request: Request, inputs: list[GenerateInput]) -> list[Any]:
@@ -55,6 +66,7 @@ async def embeddings(request: Request, body: EmbeddingRequest = Depends(body_of(
         EmbeddingRequest))) -> dict:
     """Embed ``input`` (OpenAI ``POST /v1/embeddings``)."""
     manager = manager_of(request)
+    _check_pooling(request)
     size = manager.info.hidden_size
     if body.dimensions is not None and body.dimensions != size:
         raise ApiError(400, f"this model's embeddings have {size} dimensions and cannot be "
@@ -80,6 +92,7 @@ async def encode(request: Request, body: EncodeRequest = Depends(body_of(EncodeR
     """Embed ``text`` or ``input_ids`` (SGLang's native ``POST /encode``)."""
     if (body.text is None) == (body.input_ids is None):
         raise ApiError(400, "give exactly one of text and input_ids", param="text")
+    _check_pooling(request)
     param = "text" if body.text is not None else "input_ids"
     given = body.text if body.text is not None else body.input_ids
     inputs = await admit_embedding(manager_of(request), given, param)

@@ -239,3 +239,22 @@ def default_path_or_none() -> str | None:
         return default_model_path()
     except ModelLoadError:
         return None
+
+
+def sentence_transformers_pooling(path: str) -> str | None:
+    """The pooling a sentence-transformers model directory declares (``modules.json``'s Pooling
+    module, its ``config.json``: "lasttoken", "mean", "cls", "max", ...), or None when ``path``
+    is not such a directory. Source: sentence-transformers' ``models.Pooling`` config keys
+    (``pooling_mode_<name>[_tokens]``)."""
+    import json
+
+    try:
+        with open(os.path.join(path, "modules.json")) as f:
+            modules = json.load(f)
+        module = next(m for m in modules if m.get("type", "").endswith(".Pooling"))
+        with open(os.path.join(path, module.get("path", ""), "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError, StopIteration, AttributeError, TypeError):
+        return None
+    on = [k for k, v in config.items() if k.startswith("pooling_mode_") and v is True]
+    return on[0].removeprefix("pooling_mode_").removesuffix("_tokens") if on else None

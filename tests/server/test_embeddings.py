@@ -117,3 +117,33 @@ def test_other_families_embed_and_rerank_as_transformers(make_tiny_model, kind):
         r = httpx.post(rt.base_url + "/score", json={"text_1": "a question", "text_2": "a text"})
         assert abs(r.json()["data"][0]["score"]
                    - rerank_reference(path, hf, "a question", "a text")) < 1e-4
+
+
+def test_a_model_declaring_mean_pooling_is_refused_not_misserved(make_tiny_model, tmp_path):
+    """A sentence-transformers directory (modules.json + 1_Pooling/config.json) that pools by
+    the mean: /v1/embeddings is a 400 naming the pooling; last-token pooling is served."""
+    import json
+    import shutil
+
+    from sgl_adapters.backends.runtime import Runtime
+
+    src, _ = make_tiny_model("llama")
+    for mode in ("mean", "lasttoken"):
+        path = tmp_path / mode
+        shutil.copytree(src, path)
+        (path / "1_Pooling").mkdir()
+        (path / "modules.json").write_text(json.dumps([
+            {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+            {"idx": 1, "name": "1", "path": "1_Pooling",
+             "type": "sentence_transformers.models.Pooling"}]))
+        (path / "1_Pooling" / "config.json").write_text(json.dumps({
+            "word_embedding_dimension": 64, "pooling_mode_cls_token": False,
+            "pooling_mode_mean_tokens": mode == "mean",
+            "pooling_mode_lasttoken": mode == "lasttoken"}))
+        with Runtime(str(path), dtype="float32", max_total_tokens=2048, context_length=256,
+                     log_level="warning") as rt:
+            r = httpx.post(rt.base_url + "/v1/embeddings", json={"input": "hi"})
+            if mode == "mean":
+                assert r.status_code == 400 and "by mean" in r.json()["error"]["message"]
+            else:
+                assert r.status_code == 200 and r.json()["data"][0]["embedding"]
