@@ -235,11 +235,15 @@ class Engine:
         image tokens are already expanded (``images.expand``); ``pixels``: their pixel
         values when already computed (``images.preprocess_async``), else they are computed
         here. ``embed``: an embedding request (``params.max_new_tokens`` must be 0): it
-        finishes after its prefill with ``Req.embedding`` set. Raises GrammarError for a
+        finishes after its prefill with ``Req.embedding`` set; an embedding-only model
+        (``arch.embedding_only``) takes nothing else. Raises GrammarError for a
         constraint that does not compile, InvalidRequestError for images a model cannot
         take."""
         if embed and params.max_new_tokens:
             raise InvalidRequestError("max_new_tokens", "an embedding request generates nothing")
+        if self.arch.embedding_only and (params.max_new_tokens or logprobs.return_logprob):
+            raise InvalidRequestError("model", f"{self.model_name} is an embedding model (no LM "
+                                      "head): it serves /v1/embeddings and /encode")
         ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         image_inputs = self.images.inputs(ids, images, pixels) if images else ()
         grammar = (self.grammars.matcher(params.grammar, sorted(self.eos_ids))

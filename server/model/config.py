@@ -60,6 +60,9 @@ class ArchConfig:
     rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool = False
+    # a base model without an LM head (config ``architectures`` all ``...Model``): it serves
+    # embeddings (last-token pooling); generation and prompt logprobs are refused
+    embedding_only: bool = False
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
@@ -128,6 +131,8 @@ class ArchConfig:
         if model_type == "llava":  # the language model of a LLaVA checkpoint (server.model.vision)
             cfg = {"model_type": "llama", **(cfg.get("text_config") or {})}
             model_type = cfg["model_type"]
+        archs = cfg.get("architectures") or []
+        base_model = bool(archs) and all(str(a).endswith("Model") for a in archs)
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(
                 f"model_type {model_type!r} is not supported (supported: {SUPPORTED_MODEL_TYPES})")
@@ -187,7 +192,10 @@ class ArchConfig:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
             max_position_embeddings=max_pos,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            # a base model's checkpoint (LlamaModel, MistralModel, Qwen3Model: embedding models
+            # such as e5-mistral) has no LM head: its logits come from the embedding
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)) or base_model,
+            embedding_only=base_model,
             qkv_bias=attn_bias or model_type == "qwen2",
             o_bias=attn_bias and model_type != "qwen2",
             mlp_bias=bool(cfg.get("mlp_bias", False)),

@@ -293,11 +293,14 @@ class LlamaForCausalLM(nn.Module):
 def _text_model_name(name: str) -> str | None:
     """The text model's HF name of a (possibly multimodal, e.g. Gemma 3) checkpoint tensor:
     ``language_model.model.X`` (transformers 4) and ``model.language_model.X`` (5) become
-    ``model.X``; vision tower and projector tensors give None."""
+    ``model.X``, and a base model's ``X`` (saved by LlamaModel & co.) too; vision tower and
+    projector tensors give None."""
     for prefix, repl in (("language_model.model.", "model."), ("model.language_model.", "model."),
                          ("language_model.lm_head.", "lm_head.")):
         if name.startswith(prefix):
             return repl + name[len(prefix):]
+    if name.startswith(("layers.", "embed_tokens.", "norm.")):  # a base model's (LlamaModel)
+        return "model." + name
     if name.startswith(("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
                         "model.multi_modal_projector.")):
         return None

@@ -147,3 +147,27 @@ def test_a_model_declaring_mean_pooling_is_refused_not_misserved(make_tiny_model
                 assert r.status_code == 400 and "by mean" in r.json()["error"]["message"]
             else:
                 assert r.status_code == 200 and r.json()["data"][0]["embedding"]
+
+
+def test_a_base_model_checkpoint_serves_embeddings_only(make_tiny_model, default_tokenizer,
+                                                        tmp_path):
+    """A checkpoint saved by the base model class (LlamaModel: no "model." prefix, no LM head,
+    as e5-mistral's MistralModel ships) loads; its embeddings equal transformers'; generation
+    and reranking (they need the LM head) are a 400 naming the model."""
+    from sgl_adapters.backends.runtime import Runtime
+
+    _, hf = make_tiny_model("llama")
+    hf.model.save_pretrained(tmp_path)
+    default_tokenizer.save_pretrained(tmp_path)
+    assert "LlamaModel" in (tmp_path / "config.json").read_text()
+    with Runtime(str(tmp_path), dtype="float32", max_total_tokens=2048, context_length=256,
+                 log_level="warning") as rt:
+        client = openai.OpenAI(base_url=rt.base_url + "/v1", api_key="x", max_retries=0)
+        vectors = client.embeddings.create(model="m", input=IDS, encoding_format="float")
+        for d, ids in zip(vectors.data, IDS):
+            assert np.allclose(d.embedding, _reference(hf, ids), atol=1e-4)
+        for route, body in (("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+                            ("/v1/rerank", {"query": "q", "documents": ["d"]})):
+            r = httpx.post(rt.base_url + route, json=body)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
+            assert "embedding model" in r.json()["error"]["message"]
