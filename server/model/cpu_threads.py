@@ -33,7 +33,7 @@ The threads' wait at each region's end (:func:`openmp_env`): libgomp spins 300,0
 it sleeps, so a thread that is done keeps its core while the one still working was preempted
 to the other, and a probe's pass on two threads under load took 1-2 s; spinning 10,000 times
 (``GOMP_SPINCOUNT``, read once when libgomp loads) lets the preempted thread take the freed
-core. Hostile soak, 300 s, 2-core Zen 4: stream gaps max 0.35 s (2.2 s with libgomp's default);
+core. Hostile soak, 300 s, 2-core Zen 4: stream gaps max 0.35-0.50 s (2.2 s with the default);
 the peers benchmark and in-process decode of 1 and 8 streams are within their noise.
 """
 
