@@ -94,6 +94,7 @@ class Ready(msgspec.Struct, tag=True):
     batch_invariant: bool = False  # ModelRunner.batch_invariant
     speculative_ngram: int = 0  # resolved draft length (0 = off)
     hidden_size: int = 0  # the length of an embedding (the model's hidden size)
+    embedding_only: bool = False  # a base model without an LM head (ArchConfig.embedding_only)
 
 
 class ReqOutput(msgspec.Struct):

@@ -1,7 +1,7 @@
-"""Operations routes: /health (the processes are up), /health_generate (a real 1-token
-generation; 503 while the scheduler is down), /metrics (Prometheus text), /model_info and
-/server_info (each also under its SGLang alias /get_...). None of these needs the API key except
-/model_info and /server_info."""
+"""Operations routes: /health (the processes are up), /health_generate (a real 1-token generation,
+or an embedding on an embedding-only model; 503 while the scheduler is down), /metrics
+(Prometheus text), /model_info and /server_info (each also under its SGLang alias /get_...).
+None of these needs the API key except /model_info and /server_info."""
 
 from __future__ import annotations
 
@@ -91,11 +91,14 @@ async def health(request: Request):
 
 @router.get("/health_generate")
 async def health_generate(request: Request):
-    """200 once a one-token generation succeeds, else 503."""
+    """200 once a one-token generation (on an embedding-only model: an embedding) succeeds,
+    else 503."""
     manager = manager_of(request)
     if not manager.scheduler_alive:
         return error_response(503, "the scheduler process is not running", "server_error")
-    inp = GenerateInput(manager.encode("ping"), SamplingParams(max_new_tokens=1, temperature=0))
+    embed = manager.info.embedding_only
+    inp = GenerateInput(manager.encode("ping"), SamplingParams(
+        max_new_tokens=0 if embed else 1, temperature=0), embed=embed)
     async for out in manager.generate(inp):
         if out.finish_reason is not None and out.finish_reason.get("type") == "error":
             return error_response(503, "generation failed", "server_error")

@@ -251,7 +251,7 @@ def run_scheduler_process(config: EngineConfig, to_scheduler: str, from_schedule
         kv_bytes_per_token=engine.kv_pool.bytes_per_token(),
         attention_backend=mc.attention_backend, quantization=quant, compiled=engine.runner.compiled,
         batch_invariant=engine.runner.batch_invariant, speculative_ngram=ngram,
-        hidden_size=engine.arch.hidden_size)))
+        hidden_size=engine.arch.hidden_size, embedding_only=engine.arch.embedding_only)))
     loop = SchedulerLoop(engine, recv, send)
     engine.prepare_grammars()
 

@@ -171,3 +171,4 @@ def test_a_base_model_checkpoint_serves_embeddings_only(make_tiny_model, default
             r = httpx.post(rt.base_url + route, json=body)
             assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
             assert "embedding model" in r.json()["error"]["message"]
+        assert httpx.get(rt.base_url + "/health_generate").status_code == 200  # an embedding
