@@ -28,7 +28,6 @@ import os
 from operator import itemgetter
 from typing import Any, AsyncIterator, Iterator, Literal, Sequence
 
-import openai
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel, LangSmithParams, LanguageModelInput
 from langchain_core.messages import BaseMessage
@@ -46,6 +45,7 @@ from pydantic import ConfigDict, Field, PrivateAttr, SecretStr
 from sgl_adapters.backends.runtime_endpoint import RuntimeEndpoint
 from sgl_adapters.lang.grounding import substring_grammar
 from sgl_adapters.lang.hints import PrefixHints
+from sgl_adapters.langchain.clients import OpenAIClients, api_key_from_env
 from sgl_adapters.langchain.messages import chunk_from_openai, from_openai, to_openai
 
 # Output tokens of a request whose caller set no max_tokens (ChatAnthropic's long-standing
@@ -54,12 +54,7 @@ from sgl_adapters.langchain.messages import chunk_from_openai, from_openai, to_o
 DEFAULT_MAX_TOKENS = 1024
 
 
-def _api_key_from_env() -> SecretStr | None:
-    key = os.environ.get("SGLANG_API_KEY")
-    return SecretStr(key) if key else None
-
-
-class ChatSGLang(BaseChatModel):
+class ChatSGLang(OpenAIClients, BaseChatModel):
     """Chat model for the bundled server (``python -m server``).
 
     Example::
@@ -71,7 +66,7 @@ class ChatSGLang(BaseChatModel):
 
     model: str = Field(default="default", alias="model_name")
     base_url: str = "http://127.0.0.1:30000"
-    api_key: SecretStr | None = Field(default_factory=_api_key_from_env)
+    api_key: SecretStr | None = Field(default_factory=api_key_from_env)
     temperature: float | None = None
     max_tokens: int | None = Field(default=DEFAULT_MAX_TOKENS, alias="max_completion_tokens")
     """Output tokens per request (None: :data:`DEFAULT_MAX_TOKENS`)."""
@@ -102,26 +97,7 @@ class ChatSGLang(BaseChatModel):
         """LangChain's secret fields and the environment variables they come from."""
         return {"api_key": "SGLANG_API_KEY"}
 
-    # -- clients -------------------------------------------------------------------------------
-    def _client_kwargs(self) -> dict[str, Any]:
-        key = self.api_key.get_secret_value() if self.api_key else "EMPTY"
-        return {"base_url": self.base_url.rstrip("/") + "/v1", "api_key": key,
-                "timeout": self.timeout, "max_retries": self.max_retries}
-
-    @property
-    def client(self) -> openai.OpenAI:
-        """The sync openai client on the server's /v1 (created on first use)."""
-        if self._client is None:
-            self._client = openai.OpenAI(**self._client_kwargs())
-        return self._client
-
-    @property
-    def async_client(self) -> openai.AsyncOpenAI:
-        """The async openai client on the server's /v1 (created on first use)."""
-        if self._async_client is None:
-            self._async_client = openai.AsyncOpenAI(**self._client_kwargs())
-        return self._async_client
-
+    # -- clients: client / async_client from OpenAIClients -------------------------------------
     @property
     def hints(self) -> PrefixHints:
         """The prefix hinter that prefills a batch's shared prefix once (created on first

@@ -16,16 +16,15 @@ from __future__ import annotations
 
 from typing import Any
 
-import openai
 from langchain_core.embeddings import Embeddings
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr
 
-from sgl_adapters.langchain.chat_model import _api_key_from_env
+from sgl_adapters.langchain.clients import OpenAIClients, api_key_from_env
 
 BATCH = 64  # texts per request
 
 
-class SGLangEmbeddings(BaseModel, Embeddings):
+class SGLangEmbeddings(OpenAIClients, BaseModel, Embeddings):
     """Embeddings from the bundled server (``python -m server``).
 
     Args (fields): base_url: the server; model: the ``model`` sent (the server has one);
@@ -41,31 +40,12 @@ class SGLangEmbeddings(BaseModel, Embeddings):
 
     base_url: str = "http://127.0.0.1:30000"
     model: str = Field(default="default", alias="model_name")
-    api_key: SecretStr | None = Field(default_factory=_api_key_from_env)
+    api_key: SecretStr | None = Field(default_factory=api_key_from_env)
     query_instruction: str = ""
     timeout: float | None = 600.0
     max_retries: int = 2
     _client: Any = PrivateAttr(default=None)
     _async_client: Any = PrivateAttr(default=None)
-
-    def _client_kwargs(self) -> dict[str, Any]:
-        key = self.api_key.get_secret_value() if self.api_key else "EMPTY"
-        return {"base_url": self.base_url.rstrip("/") + "/v1", "api_key": key,
-                "timeout": self.timeout, "max_retries": self.max_retries}
-
-    @property
-    def client(self) -> openai.OpenAI:
-        """The sync openai client on the server's /v1 (created on first use)."""
-        if self._client is None:
-            self._client = openai.OpenAI(**self._client_kwargs())
-        return self._client
-
-    @property
-    def async_client(self) -> openai.AsyncOpenAI:
-        """The async openai client on the server's /v1 (created on first use)."""
-        if self._async_client is None:
-            self._async_client = openai.AsyncOpenAI(**self._client_kwargs())
-        return self._async_client
 
     def embed_documents(self, texts: list[str]) -> list[list[float]]:
         """One vector (floats, unit length) per text, in order."""

@@ -17,7 +17,7 @@ from langchain_core.callbacks import Callbacks
 from langchain_core.documents import BaseDocumentCompressor, Document
 from pydantic import ConfigDict, Field, SecretStr
 
-from sgl_adapters.langchain.chat_model import _api_key_from_env
+from sgl_adapters.langchain.clients import api_key_from_env
 
 
 class SGLangRerank(BaseDocumentCompressor):
@@ -36,7 +36,7 @@ class SGLangRerank(BaseDocumentCompressor):
 
     base_url: str = "http://127.0.0.1:30000"
     model: str = Field(default="default", alias="model_name")
-    api_key: SecretStr | None = Field(default_factory=_api_key_from_env)
+    api_key: SecretStr | None = Field(default_factory=api_key_from_env)
     top_n: int | None = 3
     instruct: str | None = None
     timeout: float = 600.0
