@@ -22,6 +22,7 @@ from server.config import (
     SchedulerConfig,
 )
 from server.front_config import CLI_CONFIGS, DataParallelConfig, HTTPConfig
+from server.lora_config import LoraConfig
 from server.options import build_from, declared_options
 
 
@@ -39,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             kwargs["type"] = flag.type or (type(f.default) if f.default is not None else str)
             kwargs["choices"] = flag.choices
+            kwargs["nargs"] = flag.nargs
             kwargs["metavar"] = None if flag.choices else flag.name[2:].upper().replace("-", "_")
         p.add_argument(flag.name, *flag.aliases, **kwargs)
     return p
@@ -49,7 +51,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, HTTPConfi
     engine = dataclasses.replace(
         build_from(EngineConfig, args), model=build_from(ModelConfig, args),
         cache=build_from(CacheConfig, args), scheduler=build_from(SchedulerConfig, args),
-        parallel=build_from(ParallelConfig, args))
+        parallel=build_from(ParallelConfig, args), lora=build_from(LoraConfig, args))
     return engine, build_from(HTTPConfig, args)
 
 

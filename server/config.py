@@ -18,7 +18,8 @@ import dataclasses
 import re
 from dataclasses import dataclass, field
 
-from server.options import option
+from server.lora_config import LoraConfig
+from server.options import ConfigError, option
 
 # No torch (or kernels, or the model stack) at import: the HTTP process and ``python -m server
 # --help`` read this module. The names below are checked against kernels.ATTENTION_BACKENDS
@@ -31,10 +32,6 @@ DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "float16": "float16", "f
 SCHEDULE_POLICIES = ("lpm", "dfs_weight", "fcfs", "random")
 # speculative_ngram's auto value: longer drafts rarely survive verification (benchmarks.speculative)
 DEFAULT_NGRAM_TOKENS = 8
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the field and the accepted values."""
 
 
 @dataclass(frozen=True)
@@ -377,6 +374,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     seed: int = option(0, "--seed", "seed of the sampler for unseeded requests")
 
     @classmethod
@@ -390,7 +388,8 @@ class EngineConfig:
             kwargs["path"] = kwargs.pop("model")
         parts = {}
         for name, klass in (("model", ModelConfig), ("cache", CacheConfig),
-                            ("scheduler", SchedulerConfig), ("parallel", ParallelConfig)):
+                            ("scheduler", SchedulerConfig), ("parallel", ParallelConfig),
+                            ("lora", LoraConfig)):
             names = {f.name for f in dataclasses.fields(klass)}
             parts[name] = klass(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
         seed = kwargs.pop("seed", 0)

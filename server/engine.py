@@ -29,7 +29,7 @@ from server.cache.kv_pool import TokenKVPool
 from server.cache.manager import CacheManager
 from server.cache.radix_tree import RadixCache
 from server.cache.req_table import ReqToTokenTable
-from server.cache.tiers import PAGE_TOKENS, DiskTier, HostTier, KVTiers, kv_fingerprint
+from server.cache.tiers import build_tiers
 from server.config import DEFAULT_NGRAM_TOKENS, ConfigError, EngineConfig
 from server.constrained.grammar import GrammarCompiler
 from server.constrained.reasoning_gate import ReasoningGatedMatcher
@@ -37,12 +37,13 @@ from server.constrained.spec import make_spec
 from server.detokenizer import OutputText, StopRegexTimeout
 from server.images import EngineImages
 from server.model.loader import load_model
+from server.model.lora import LoraError, LoraRegistry, slot_shape
 from server.model.runner import ModelRunner
 from server.model.sampling import Sampler, SamplingParams
 from server.model.tp_worker import RankZero
 from server.multimodal import vision_spec
 from server.resolve import resolve
-from server.scheduler.outputs import TokenDelta
+from server.scheduler.outputs import TokenDelta, native_output
 from server.scheduler.request import LogprobOptions, Req
 from server.scheduler.scheduler import Scheduler
 from server.scheduler.validation import InvalidRequestError
@@ -75,6 +76,7 @@ class Engine:
 
     def __init__(self, model: str | None = None, *, config: EngineConfig | None = None,
                  **kwargs: Any):
+        # builds the parts in dependency order (model, pool, runner, cache, scheduler)
         if config is None:
             config = EngineConfig.from_kwargs(model=model, **kwargs)
         elif model is not None or kwargs:
@@ -97,6 +99,7 @@ class Engine:
                                    dtype=mc.torch_kv_dtype, device=mc.device)
         self.req_table = ReqToTokenTable(sc.max_running_requests, self.context_len, mc.device)
         linear = mc.linear_kernel
+        lora_slots, lora_rank = self._lora_shape()
         self.runner = ModelRunner(loaded, self.kv_pool, dtype=mc.torch_dtype, device=mc.device,
                                   max_positions=self.context_len,
                                   attention_backend=mc.attention_backend,
@@ -108,10 +111,15 @@ class Engine:
                                   cuda_graph_max_bs=(0 if mc.disable_cuda_graph else
                                                      min(mc.cuda_graph_max_bs,
                                                          sc.max_running_requests)),
-                                  req_to_token=self.req_table.table, tp=self.tp)
+                                  req_to_token=self.req_table.table, tp=self.tp,
+                                  lora_slots=lora_slots, max_lora_rank=lora_rank)
+        self.loras = LoraRegistry(self.runner.lora, self.runner.model)
+        for name, path in self.config.lora.adapters():
+            self.load_lora(name, path, error=ConfigError)
         self.cache = CacheManager(self.kv_pool, self.req_table,
                                   RadixCache(disabled=cc.disable_radix_cache),
-                                  self._tiers(loaded, cc, mc))
+                                  build_tiers(loaded, cc, mc, self.kv_pool,
+                                              self.tp is not None))
         if sc.speculative_ngram is None:  # auto: drafts only where they cannot change outputs
             sc = dataclasses.replace(sc, speculative_ngram=DEFAULT_NGRAM_TOKENS
                                      if self.runner.batch_invariant else 0)
@@ -129,6 +137,28 @@ class Engine:
         if self.runner.compiled:
             self._warm_up()
 
+    def _lora_shape(self) -> tuple[int, int]:
+        try:
+            return slot_shape(self.config.lora)
+        except LoraError as exc:
+            raise ConfigError(f"--lora-paths: {exc}") from exc
+
+    def load_lora(self, name: str, path: str, error: type[Exception] = LoraError) -> None:
+        """Serve the PEFT adapter at ``path`` as ``name`` (requests pick it with
+        ``lora=name``). Raises ``error`` (LoraError by default) saying why it was refused
+        (:meth:`server.model.lora.LoraRegistry.load`)."""
+        try:
+            self.loras.load(name, path)
+        except LoraError as exc:
+            raise error(str(exc)) from exc
+
+    def unload_lora(self, name: str) -> None:
+        """Stop serving adapter ``name``. Raises KeyError (unknown) or LoraBusyError (requests
+        using it are queued or running)."""
+        sched = self.scheduler
+        self.loras.unload(name, (r.lora_slot for r in (*sched.waiting, *sched.prefilling,
+                                                        *sched.running)))
+
     @staticmethod
     def _dense_prefill_rows(mc, linear: str | None) -> int | None:
         """Extend passes of at least this many tokens run on dense bf16 weight copies (None:
@@ -137,25 +167,6 @@ class Engine:
                 or (linear == "avx512_vnni" and not at_least("amx", mc.cpu_isa))):
             return None
         return DENSE_PREFILL_ROWS
-
-    def _tiers(self, loaded, cc, mc) -> KVTiers | None:
-        """The host and disk tiers the cache config asks for (:mod:`server.cache.tiers`)."""
-        host_bytes = cc.host_tier_bytes(mc.device.startswith("cuda"))
-        if cc.disable_radix_cache or (host_bytes == 0 and cc.cache_dir is None):
-            return None
-        if self.tp is not None:  # each rank holds its own heads' KV: pages would be partial
-            if cc.hicache_size or cc.cache_dir:
-                raise ConfigError("--hicache-size and --cache-dir are not supported with "
-                                  "tensor parallelism")
-            return None
-        pool = self.kv_pool
-        shape = (len(pool.k_buffers), 2, PAGE_TOKENS, *pool.k_buffers[0].shape[1:])
-        disk = None
-        if cc.cache_dir is not None:
-            disk = DiskTier(cc.cache_dir, kv_fingerprint(loaded, mc, shape),
-                            int(cc.cache_dir_size * 2 ** 30), shape, pool.k_buffers[0].dtype)
-        # with only a disk tier, a small host tier stages the pages read ahead from disk
-        return KVTiers(HostTier(host_bytes or 256 << 20), disk)
 
     def check_parallel(self) -> None:
         """Between steps: raise TensorParallelError if a tensor-parallel rank died."""
@@ -225,7 +236,8 @@ class Engine:
                      logprobs: LogprobOptions = LogprobOptions(), rid: str | None = None,
                      cache_salt: str | None = None, reasoning: Any = None,
                      images: Sequence[tuple[int, int, bytes]] = (),
-                     pixels: Sequence[torch.Tensor] | None = None, embed: bool = False) -> Req:
+                     pixels: Sequence[torch.Tensor] | None = None, embed: bool = False,
+                     lora: str | None = None) -> Req:
         """Tokenize and wrap one prompt (str or token ids) as a scheduler request.
 
         ``cache_salt`` puts the request in its own radix-cache namespace: it shares cached KV
@@ -236,14 +248,22 @@ class Engine:
         values when already computed (``images.preprocess_async``), else they are computed
         here. ``embed``: an embedding request (``params.max_new_tokens`` must be 0): it
         finishes after its prefill with ``Req.embedding`` set; an embedding-only model
-        (``arch.embedding_only``) takes nothing else. Raises GrammarError for a
+        (``arch.embedding_only``) takes nothing else. ``lora``: the served LoRA adapter to run
+        with (:meth:`load_lora`; its KV is cached apart). Raises GrammarError for a
         constraint that does not compile, InvalidRequestError for images a model cannot
-        take."""
+        take or an adapter not loaded (status 404)."""
         if embed and params.max_new_tokens:
             raise InvalidRequestError("max_new_tokens", "an embedding request generates nothing")
         if self.arch.embedding_only and (params.max_new_tokens or logprobs.return_logprob):
             raise InvalidRequestError("model", f"{self.model_name} is an embedding model (no LM "
                                       "head): it serves /v1/embeddings and /encode")
+        try:
+            adapter = self.loras.resolve(lora)
+        except KeyError:
+            raise InvalidRequestError("model", f"LoRA adapter {lora!r} is not loaded (loaded: "
+                                      f"{self.loras.names()})", status=404) from None
+        if adapter is not None:  # its own radix namespace: no KV shared with other weights
+            cache_salt = f"{cache_salt or ''}\x00{adapter.namespace}"
         ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         image_inputs = self.images.inputs(ids, images, pixels) if images else ()
         grammar = (self.grammars.matcher(params.grammar, sorted(self.eos_ids))
@@ -253,7 +273,8 @@ class Engine:
                                             reasoning.start_id)
         return Req(rid=rid or uuid.uuid4().hex, input_ids=ids, params=params,
                    eos_ids=self.eos_ids, logprobs=logprobs, namespace=cache_salt,
-                   grammar=grammar, images=image_inputs, embed=embed)
+                   grammar=grammar, images=image_inputs, embed=embed,
+                   lora_slot=-1 if adapter is None else adapter.slot)
 
     # ---------------------------------------------------------------- generation
     def generate(self, prompt: Prompt | Sequence[Prompt] | None = None,
@@ -261,13 +282,14 @@ class Engine:
                  input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
                  return_logprob: bool = False, logprob_start_len: int = -1,
                  top_logprobs_num: int = 0, cache_salt: str | None = None,
-                 image_data: Sequence[bytes] = ()) -> dict | list[dict]:
+                 image_data: Sequence[bytes] = (), lora: str | None = None) -> dict | list[dict]:
         """Generate for one prompt (returns a dict) or a batch (returns a list).
 
         ``prompt`` is text or a list of texts; ``input_ids`` token ids or a list of them. With
         ``n > 1`` a single prompt returns a list of n outputs, a batch a flat list (prompt-major).
         ``image_data``: encoded images (PNG, JPEG, ...) of a single prompt, one per image token
-        in it (or placed at its start when it has none); multimodal models only.
+        in it (or placed at its start when it has none); multimodal models only. ``lora``: a
+        loaded LoRA adapter's name (:meth:`load_lora`).
 
         Raises:
             SamplingParamsError, InvalidRequestError: before anything is queued.
@@ -294,7 +316,7 @@ class Engine:
                 seeded = params if params.seed is None or params.n == 1 else \
                     _replace_seed(params, params.seed + i)
                 reqs.append(self.make_request(p, seeded, lp, cache_salt=cache_salt,
-                                              images=images))
+                                              images=images, lora=lora))
         outputs = self.run(reqs)
         return outputs[0] if single and params.n == 1 else outputs
 
@@ -325,7 +347,7 @@ class Engine:
                 if text.finish_reason is not None and d.finish_reason is None:
                     # a stop string: the scheduler sees ids only
                     self.scheduler.stop(d.rid, text.finish_reason["matched"])
-        return [self._output(r, texts[r.rid]) for r in reqs]
+        return [native_output(r, texts[r.rid]) for r in reqs]
 
     def metrics(self) -> dict[str, float]:
         """Scheduler and cache counters (see ``Scheduler.metrics``)."""
@@ -369,31 +391,6 @@ class Engine:
                 empty += 1
                 if empty > 1:
                     raise RuntimeError("scheduler has queued work but cannot schedule it")
-
-    @staticmethod
-    def _output(req: Req, text: OutputText) -> dict:
-        """The request's result as the client sees it: cut at a stop string (tokens the
-        scheduler produced past it are dropped)."""
-        n = text.num_tokens
-        meta: dict[str, Any] = {
-            "id": req.rid,
-            "prompt_tokens": len(req.input_ids),
-            "completion_tokens": n,
-            "cached_tokens": req.cached_tokens,
-            "finish_reason": text.finish_reason,
-            "e2e_latency": req.finish_time - req.arrival_time,  # seconds, this request
-        }
-        if req.logprobs.return_logprob:  # SGLang's entries: (logprob, token_id, text or None)
-            meta["output_token_logprobs"] = _entries(req.output_token_logprobs[:n])
-            meta["input_token_logprobs"] = _entries(req.input_token_logprobs)
-            if req.logprobs.top_logprobs_num:
-                meta["output_top_logprobs"] = [_entries(t) for t in req.output_top_logprobs[:n]]
-                meta["input_top_logprobs"] = [_entries(t) for t in req.input_top_logprobs]
-        return {"text": text.text, "output_ids": list(req.output_ids[:n]), "meta_info": meta}
-
-
-def _entries(pairs) -> list[tuple[float | None, int, None]]:
-    return [(lp, tok, None) for lp, tok in pairs]
 
 
 def _replace_seed(params: SamplingParams, seed: int) -> SamplingParams:

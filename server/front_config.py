@@ -15,6 +15,7 @@ from server.config import (
     ParallelConfig,
     SchedulerConfig,
 )
+from server.lora_config import LoraConfig
 from server.options import option
 
 REASONING_PARSERS = ("auto", "none", "qwen3", "deepseek-r1")  # see server.reasoning
@@ -125,4 +126,4 @@ class DataParallelConfig:
 
 # Every class whose declared options make up ``python -m server``'s command line, in --help order.
 CLI_CONFIGS = (HTTPConfig, ModelConfig, CacheConfig, SchedulerConfig, EngineConfig,
-               ParallelConfig, DataParallelConfig)
+               ParallelConfig, LoraConfig, DataParallelConfig)

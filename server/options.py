@@ -12,6 +12,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field and the accepted values
+    (re-exported by :mod:`server.config`)."""
+
+
 class _Unset:
     """Flag.cli_default when the CLI's default is the field's own."""
 
@@ -35,6 +40,7 @@ class Flag:
         cli_default: the CLI's default where it differs from the library's (the offline
             ``Engine`` and the server have different needs); UNSET = the field's default.
         replica: passed on to the replicas of ``--dp-size`` (False: the front's own flag).
+        nargs: argparse's, for a flag taking several values (a tuple field).
     """
 
     name: str
@@ -45,6 +51,7 @@ class Flag:
     invert: bool = False
     cli_default: Any = UNSET
     replica: bool = True
+    nargs: str | None = None
 
     @property
     def takes_value(self) -> bool:

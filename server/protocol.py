@@ -6,9 +6,10 @@ Each frame is an :class:`Envelope` carrying the protocol version; a frame with a
 or an unknown message type is rejected by :func:`decode` with :class:`ProtocolError`.
 
 Directions:
-  * to the scheduler: GenerateReq, AbortReq, FlushCacheReq, ServerInfoReq
+  * to the scheduler: GenerateReq, AbortReq, FlushCacheReq, ServerInfoReq, LoadLoraReq,
+    UnloadLoraReq
   * from the scheduler: Ready, BatchOutput (token deltas and finishes), ReqError,
-    FlushCacheReply, ServerInfoReply
+    FlushCacheReply, ServerInfoReply, LoraReply
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class GenerateReq(msgspec.Struct, tag=True):
     reasoning: ReasoningGate | None = None
     images: list[ImagePart] = []
     embed: bool = False  # an embedding request: prefill only (max_new_tokens 0), its vector back
+    lora: str | None = None  # the LoRA adapter's name (server.model.lora); None: the base model
 
 
 class AbortReq(msgspec.Struct, tag=True):
@@ -74,6 +76,19 @@ class FlushCacheReq(msgspec.Struct, tag=True):
 
 class ServerInfoReq(msgspec.Struct, tag=True):
     """Ask for the scheduler's counters (answered by ServerInfoReply)."""
+
+
+class LoadLoraReq(msgspec.Struct, tag=True):
+    """Serve the PEFT adapter at ``path`` as ``name`` (answered by LoraReply)."""
+
+    name: str
+    path: str
+
+
+class UnloadLoraReq(msgspec.Struct, tag=True):
+    """Stop serving adapter ``name`` (answered by LoraReply)."""
+
+    name: str
 
 
 # ---------------------------------------------------------------- from the scheduler
@@ -95,6 +110,7 @@ class Ready(msgspec.Struct, tag=True):
     speculative_ngram: int = 0  # resolved draft length (0 = off)
     hidden_size: int = 0  # the length of an embedding (the model's hidden size)
     embedding_only: bool = False  # a base model without an LM head (ArchConfig.embedding_only)
+    loras: dict[str, str] = {}  # the LoRA adapters served: name -> path
 
 
 class ReqOutput(msgspec.Struct):
@@ -138,6 +154,17 @@ class FlushCacheReply(msgspec.Struct, tag=True):
     ok: bool
 
 
+class LoraReply(msgspec.Struct, tag=True):
+    """The answer to LoadLoraReq / UnloadLoraReq: ``message`` and the HTTP ``status`` when
+    refused (400 a bad adapter, 404 an unknown name, 409 one with requests in flight), and
+    the adapters served afterwards (name -> path)."""
+
+    ok: bool
+    loras: dict[str, str]
+    message: str = ""
+    status: int = 200
+
+
 class ServerInfoReply(msgspec.Struct, tag=True):
     """The answer to ServerInfoReq: the scheduler's counters (``Scheduler.metrics``) and how
     many KV invariant checks failed so far."""
@@ -146,8 +173,8 @@ class ServerInfoReply(msgspec.Struct, tag=True):
     invariant_violations: int
 
 
-Message = Union[GenerateReq, AbortReq, FlushCacheReq, ServerInfoReq, Ready, BatchOutput,
-                ReqError, FlushCacheReply, ServerInfoReply]
+Message = Union[GenerateReq, AbortReq, FlushCacheReq, ServerInfoReq, LoadLoraReq, UnloadLoraReq,
+                Ready, BatchOutput, ReqError, FlushCacheReply, ServerInfoReply, LoraReply]
 
 
 class Envelope(msgspec.Struct):

@@ -55,6 +55,8 @@ def resolve(config: EngineConfig, *, kv_elements_per_token: int, model_context_l
             raise ConfigError(f"quantization {model.quantization!r} runs on CPU only (torch's "
                               "packed CPU matmuls); use 'none' or 'auto' on CUDA")
         model = dataclasses.replace(model, quantization="none")
+    if config.parallel.tp_size > 1 and config.lora.enabled:
+        raise ConfigError("LoRA adapters with tp_size > 1 are not supported")
     if config.parallel.tp_size > 1:  # ranks shard dense weights (packed int4 rows/columns
         if model.quantization in ("int4", "int8"):  # are not split across ranks)
             raise ConfigError("quantization with tp_size > 1 is not supported; use 'none'")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from server.model.loader import default_model_path, load_model
-from tests.helpers import tiny_config
+from tests.helpers import LORA_TARGETS, make_adapter, tiny_config
 from tests.live_server import ServerProcess
 
 pytest_plugins = ["tests.harness", "pytester"]
@@ -137,6 +137,26 @@ def default_server():
     model ability that varies with a CPU class's numerics is a non-strict xfail."""
     server = ServerProcess("--max-total-tokens", "16384")
     yield server
+    assert server.stop() == 0, "".join(server.log[-40:])
+
+
+@pytest.fixture(scope="session")
+def lora_server(make_tiny_model, tmp_path_factory):
+    """A server on the tiny random Llama (fp32) serving LoRA adapters a0 and a1 (three slots):
+    (server, the base HF model, {"a0"|"a1"|"a2": (adapter dir, its peft model)}); a2 is for
+    loading at run time."""
+    path, hf = make_tiny_model("llama")
+    root = tmp_path_factory.mktemp("adapters")
+    adapters = {}
+    for i, (rank, targets) in enumerate([(4, LORA_TARGETS), (8, ["q_proj", "v_proj", "down_proj"]),
+                                         (2, ["o_proj", "up_proj"])]):
+        out = str(root / f"a{i}")
+        adapters[f"a{i}"] = (out, make_adapter(hf, out, rank, 2 * rank, targets, False, i))
+    server = ServerProcess("--model", path, "--dtype", "float32", "--max-total-tokens", "4096",
+                           "--context-length", "512", "--lora-paths",
+                           f"a0={adapters['a0'][0]}", adapters["a1"][0],
+                           "--max-loras-per-batch", "3")
+    yield server, hf, adapters
     assert server.stop() == 0, "".join(server.log[-40:])
 
 

@@ -161,3 +161,22 @@ def failing_once(forward):
         return forward(batch)
 
     return flaky
+
+
+# every attention and MLP projection of a Llama-family layer, as peft names them
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def make_adapter(hf_model, out_dir: str, rank: int, alpha: int, targets, rslora: bool,
+                 seed: int):
+    """Save a random (non-zero B) PEFT adapter for ``hf_model``; returns the PeftModel."""
+    import copy
+
+    import peft
+
+    torch.manual_seed(seed)
+    model = peft.get_peft_model(copy.deepcopy(hf_model), peft.LoraConfig(
+        r=rank, lora_alpha=alpha, target_modules=list(targets), use_rslora=rslora,
+        init_lora_weights=False))
+    model.save_pretrained(out_dir)
+    return model.eval()

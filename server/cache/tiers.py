@@ -371,3 +371,25 @@ class KVTiers:
         for name, page in pages:
             self.disk.put(name, page)
         self.disk.flush()
+
+
+def build_tiers(loaded, cc, mc, pool, tensor_parallel: bool) -> KVTiers | None:
+    """The host and disk tiers a :class:`server.config.CacheConfig` ``cc`` asks for over
+    ``pool`` (a :class:`server.cache.kv_pool.TokenKVPool`) of the model ``loaded`` with
+    :class:`server.config.ModelConfig` ``mc``; None for none. Raises ConfigError for tiers
+    with tensor parallelism (each rank holds its own heads' KV: pages would be partial)."""
+    host_bytes = cc.host_tier_bytes(mc.device.startswith("cuda"))
+    if cc.disable_radix_cache or (host_bytes == 0 and cc.cache_dir is None):
+        return None
+    if tensor_parallel:
+        if cc.hicache_size or cc.cache_dir:
+            raise ConfigError("--hicache-size and --cache-dir are not supported with tensor "
+                              "parallelism")
+        return None
+    shape = (len(pool.k_buffers), 2, PAGE_TOKENS, *pool.k_buffers[0].shape[1:])
+    disk = None
+    if cc.cache_dir is not None:
+        disk = DiskTier(cc.cache_dir, kv_fingerprint(loaded, mc, shape),
+                        int(cc.cache_dir_size * 2 ** 30), shape, pool.k_buffers[0].dtype)
+    # with only a disk tier, a small host tier stages the pages read ahead from disk
+    return KVTiers(HostTier(host_bytes or 256 << 20), disk)

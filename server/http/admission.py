@@ -52,7 +52,8 @@ async def admit_completion(manager: TokenizerManager, body: CompletionRequest
             inputs.append(GenerateInput(
                 ids, _params(body, max_tokens, j), return_logprob=want_lp,
                 logprob_start_len=0 if (want_lp and body.echo) else -1,
-                top_logprobs_num=body.logprobs or 0, max_tokens_given=given is not None))
+                top_logprobs_num=body.logprobs or 0, max_tokens_given=given is not None,
+                lora=lora_of_model(manager, body.model)))
     for inp in inputs:  # every choice is checked before any is sent
         manager.validate(inp, COMPLETION_NAMES)
     return prompts, inputs
@@ -91,11 +92,39 @@ async def admit_chat(manager: TokenizerManager, body: ChatCompletionRequest
     check_batch(manager, body.n, "n")
     inputs = [GenerateInput(ids, _params(body, max_tokens, j, constraint),
                             return_logprob=body.logprobs, top_logprobs_num=body.top_logprobs or 0,
-                            reasoning_state=state, images=image_parts, max_tokens_given=given)
+                            reasoning_state=state, images=image_parts, max_tokens_given=given,
+                            lora=lora_of_model(manager, body.model))
               for j in range(body.n)]
     for inp in inputs:
         manager.validate(inp, CHAT_NAMES)
     return inputs, tools, use_tools
+
+
+def lora_of_model(manager: TokenizerManager, model: str | None) -> str | None:
+    """The LoRA adapter an OpenAI ``model`` names, as vLLM and SGLang read it: an adapter's
+    name, or "BASE:NAME" with BASE the served model's name; None (the base model) for any
+    other name. Raises ApiError(404) for "BASE:NAME" where NAME is no served adapter."""
+    if not model or model in manager.loras:
+        return model or None
+    base, sep, name = model.rpartition(":")
+    if not sep or base != manager.info.model_name:
+        return None
+    if name not in manager.loras:
+        raise ApiError(404, f"LoRA adapter {name!r} is not loaded (served: "
+                       f"{sorted(manager.loras)})", param="model", type="not_found_error")
+    return name
+
+
+def lora_of_path(manager: TokenizerManager, lora_path: str | None) -> str | None:
+    """/generate's ``lora_path`` (SGLang's): a served adapter's name or the path it was loaded
+    from -> its name; None: the base model. Raises ApiError(404) naming an unknown one."""
+    if lora_path is None or lora_path in manager.loras:
+        return lora_path
+    for name, path in manager.loras.items():
+        if path == lora_path:
+            return name
+    raise ApiError(404, f"LoRA adapter {lora_path!r} is not loaded (served: "
+                   f"{sorted(manager.loras)})", param="lora_path", type="not_found_error")
 
 
 def check_batch(manager: TokenizerManager, count: int, param: str) -> None:
@@ -290,9 +319,11 @@ async def admit_generate(manager: TokenizerManager, body: GenerateRequest
     sp = body.sampling_params
     sps = sp if isinstance(sp, list) else [sp or {}] * len(prompts)
     rids = body.rid if isinstance(body.rid, list) else [body.rid] * len(prompts)
-    if len(sps) != len(prompts) or len(rids) != len(prompts):
-        raise ApiError(400, "sampling_params and rid lists must match the batch size",
-                       param="sampling_params")
+    loras = body.lora_path if isinstance(body.lora_path, list) else \
+        [body.lora_path] * len(prompts)
+    if len(sps) != len(prompts) or len(rids) != len(prompts) or len(loras) != len(prompts):
+        raise ApiError(400, "sampling_params, rid and lora_path lists must match the batch "
+                       "size", param="sampling_params")
     inputs = []
     for k, (_, d, rid) in enumerate(zip(prompts, sps, rids)):
         try:
@@ -311,7 +342,7 @@ async def admit_generate(manager: TokenizerManager, body: GenerateRequest
                            "with image_data", param="logprob_start_len")
         inputs.append(GenerateInput(ids, params, body.return_logprob, body.logprob_start_len,
                                     body.top_logprobs_num, rid, body.cache_salt, state,
-                                    image_parts))
+                                    image_parts, lora=lora_of_path(manager, loras[k])))
     for inp in inputs:
         manager.validate(inp)
     return inputs, single

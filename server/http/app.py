@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.http import (
     embedding_routes,
+    lora_routes,
     native_routes,
     openai_routes,
     ops_routes,
@@ -132,7 +133,8 @@ def create_app(manager: TokenizerManager, *, model_name: str, model_path: str | 
                               "invalid_request_error" if exc.status_code < 500 else "server_error")
 
     routers = [openai_routes.router, responses_routes.router, embedding_routes.router,
-               rerank_routes.router, native_routes.router, ops_routes.router]
+               rerank_routes.router, native_routes.router, lora_routes.router,
+               ops_routes.router]
     for router in routers:
         app.include_router(router)
     document_bodies(app, routers)

@@ -53,20 +53,29 @@ def _model_card(request: Request) -> dict:
             "owned_by": "sgl-adapters", "max_model_len": manager_of(request).info.context_len}
 
 
+def _cards(request: Request) -> list[dict]:
+    """The base model's card, then each LoRA adapter's (``parent``: the base, ``root``: its
+    path, as vLLM lists adapters)."""
+    base = _model_card(request)
+    return [base] + [{**base, "id": name, "parent": base["id"], "root": path}
+                     for name, path in manager_of(request).loras.items()]
+
+
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict:
-    """The served model (OpenAI ``GET /v1/models``)."""
-    return {"object": "list", "data": [_model_card(request)]}
+    """The served model and its LoRA adapters (OpenAI ``GET /v1/models``)."""
+    return {"object": "list", "data": _cards(request)}
 
 
 @router.get("/v1/models/{model_id:path}")
 async def retrieve_model(model_id: str, request: Request) -> dict:
-    """OpenAI's "retrieve model": the served model, or 404 naming the one that is served."""
-    card = _model_card(request)
-    if model_id != card["id"]:
-        raise ApiError(404, f"model {model_id!r} is not served here (this server serves "
-                       f"{card['id']!r})", param="model", type="not_found_error")
-    return card
+    """OpenAI's "retrieve model": the served model or an adapter, or 404 naming them."""
+    cards = _cards(request)
+    for card in cards:
+        if model_id == card["id"]:
+            return card
+    raise ApiError(404, f"model {model_id!r} is not served here (this server serves "
+                   f"{[c['id'] for c in cards]})", param="model", type="not_found_error")
 
 
 # ---------------------------------------------------------------- /v1/completions

@@ -185,6 +185,23 @@ class GenerateRequest(RequestBody):
     cache_salt: str | None = None
     # with a reasoning parser: thinking in "reasoning_text", the grammar on the answer only
     separate_reasoning: bool = False
+    # SGLang's: a served LoRA adapter's name (or the path it was loaded from), per prompt in
+    # a batch; None: the base model
+    lora_path: str | list[str | None] | None = None
+
+
+class LoadLoraAdapterRequest(RequestBody):
+    """SGLang's ``POST /load_lora_adapter``: serve the PEFT adapter at ``lora_path`` as
+    ``lora_name``."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoraAdapterRequest(RequestBody):
+    """SGLang's ``POST /unload_lora_adapter``."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
 
 
 class EmbeddingRequest(RequestBody):

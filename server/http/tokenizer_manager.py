@@ -59,6 +59,7 @@ class GenerateInput:
     # context (counted: such a request's length is up to the model)
     max_tokens_given: bool = True
     embed: bool = False  # an embedding request (params.max_new_tokens 0): the vector comes back
+    lora: str | None = None  # a served LoRA adapter's name (server.http.lora_routes)
 
 
 @dataclass
@@ -108,6 +109,7 @@ class TokenizerManager:
             vision = dataclasses.replace(vision, image_token=text or vision.image_token)
         self.vision = vision
         self.info = info
+        self.loras = dict(info.loras)  # the LoRA adapters served (name -> path)
         self.send_sock = send
         self.recv_sock = recv
         self.max_queued_requests = max_queued_requests
@@ -325,7 +327,8 @@ class TokenizerManager:
                 return_logprob=inp.return_logprob, logprob_start_len=inp.logprob_start_len,
                 top_logprobs_num=inp.top_logprobs_num, namespace=inp.namespace,
                 reasoning=self._gate(inp),
-                images=[P.ImagePart(o, k, d) for o, k, d in inp.images], embed=inp.embed)))
+                images=[P.ImagePart(o, k, d) for o, k, d in inp.images], embed=inp.embed,
+                lora=inp.lora)))
             first = True
             pending: collections.deque = collections.deque()
             text = OutputText(self.tokenizer, inp.input_ids, inp.params.stop,
@@ -377,7 +380,8 @@ class TokenizerManager:
         """Ask the scheduler to abort ``rid`` (a no-op there if unknown or finished)."""
         await self.send_sock.send(P.encode(P.AbortReq(rid, "aborted by /abort_request")))
 
-    async def _ask(self, msg: P.Message, reply: type, timeout: float = 10.0):
+    async def ask(self, msg: P.Message, reply: type, timeout: float = 10.0):
+        """``msg`` to the scheduler -> its ``reply`` answer. Raises ApiError(503) on timeout."""
         async with self._reply_lock:
             fut = asyncio.get_running_loop().create_future()
             self._replies[reply] = fut
@@ -389,8 +393,8 @@ class TokenizerManager:
 
     async def flush_cache(self) -> bool:
         """Empty the radix cache; False when requests still hold KV. Raises ApiError(503)."""
-        return (await self._ask(P.FlushCacheReq(), P.FlushCacheReply)).ok
+        return (await self.ask(P.FlushCacheReq(), P.FlushCacheReply)).ok
 
     async def server_info(self) -> P.ServerInfoReply:
         """Scheduler metrics and invariant-violation count. Raises ApiError(503)."""
-        return await self._ask(P.ServerInfoReq(), P.ServerInfoReply)
+        return await self.ask(P.ServerInfoReq(), P.ServerInfoReply)

@@ -37,6 +37,8 @@ class ForwardBatch:
         req_to_token: the request table tensor [max_requests, max_context] int64.
         images: image positions of this pass (multimodal models): (first token row in the T
             tokens, the :class:`ImageInput`, first and end image position covered), in order.
+        lora_slots: [B] each sequence's LoRA adapter slot (-1: the base model); empty: all
+            base (:mod:`server.model.lora`).
     """
 
     mode: ForwardMode
@@ -50,6 +52,7 @@ class ForwardBatch:
     logits_indices: torch.Tensor
     req_to_token: torch.Tensor
     images: list[tuple[int, "ImageInput", int, int]] = field(default_factory=list)
+    lora_slots: list[int] = field(default_factory=list)
 
     @property
     def batch_size(self) -> int:

@@ -24,6 +24,7 @@ from torch import nn
 from kernels.base import AttentionBackend
 from server.model.compiled import attention
 from server.model.config import ArchConfig
+from server.model.lora import LoraBatch
 from server.model.moe import SparseMoE, expert_target
 from server.model.parallel import TPGroup
 from server.model.quantization import QuantEmbedding, QuantizedWeight
@@ -75,19 +76,21 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn: AttentionBackend, attn_id: int | None = None,
-                out_rows: torch.Tensor | None = None) -> torch.Tensor:
+                out_rows: torch.Tensor | None = None, lora: LoraBatch | None = None
+                ) -> torch.Tensor:
         """x: [T, hidden] (the residual stream; a backend with fused ops updates it in
         place). Returns the layer's output [T, hidden], or with ``out_rows`` ([N] int64 row
         indices) only those rows' [N, hidden]: every row's K/V is still stored and attended
         from, but the rest of the layer (o_proj, MLP) runs on the N rows alone (the last
-        layer of a pass whose other rows' outputs nobody reads)."""
+        layer of a pass whose other rows' outputs nobody reads). ``lora``: the LoRA
+        adapters of the pass's rows (:mod:`server.model.lora`), added to each projection."""
         t = x.shape[0]
         # a backend's fused ops (kernels.cpu: RoPE + K/V store, residual add + RMSNorm,
         # SiLU * up) replace several small ops each; not under torch.compile (its graph
         # fuses them itself)
         fused = attn_id is None and getattr(attn, "fused", False)
         h = attn.rms_norm(x, self.input_layernorm, self.eps)
-        qkv = self.qkv_proj(h)
+        qkv = self._project("qkv_proj", h, lora)
         if fused and not hasattr(self, "q_norm"):
             q = attn.rope_store(self.layer_id, qkv, cos, sin, self.num_heads,
                                 self.num_kv_heads, self.head_dim)
@@ -99,7 +102,8 @@ class DecoderLayer(nn.Module):
             if t == 0:
                 return x.new_empty((0, x.shape[1]))
             o, x = o[out_rows], x[out_rows]
-        o = self.o_proj(o.reshape(t, -1))
+            lora = lora.take(out_rows) if lora is not None else None
+        o = self._project("o_proj", o.reshape(t, -1), lora)
         if self.tp is not None:
             o = self.tp.all_reduce(o)
         if self.sandwich:
@@ -112,18 +116,23 @@ class DecoderLayer(nn.Module):
             h = attn.rms_norm(x, self.post_attention_layernorm, self.eps)
         if self.moe is not None:
             return x + self.moe(h)
-        gate_up = self.gate_up_proj(h)
+        gate_up = self._project("gate_up_proj", h, lora)
         if fused and self.act is F.silu:
             act = attn.silu_mul(gate_up)
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             act = self.act(gate) * up
-        out = self.down_proj(act)
+        out = self._project("down_proj", act, lora)
         if self.tp is not None:
             out = self.tp.all_reduce(out)
         if self.sandwich:
             out = attn.rms_norm(out, self.post_feedforward_layernorm, self.eps)
         return x + out
+
+    def _project(self, name: str, x: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:
+        """Linear layer ``name`` of x [T, in], plus the pass's LoRA adapters' share."""
+        y = getattr(self, name)(x)
+        return y if lora is None else y + lora.delta(self.layer_id, name, x)
 
     def _attention(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    attn: AttentionBackend, attn_id: int | None) -> torch.Tensor:
@@ -192,7 +201,8 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn: AttentionBackend, attn_id: int | None = None,
                 embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
-                out_rows: torch.Tensor | None = None) -> torch.Tensor:
+                out_rows: torch.Tensor | None = None, lora: LoraBatch | None = None
+                ) -> torch.Tensor:
         """input_ids, positions: [T] int64. Returns final-normed hidden states [T, hidden].
         ``attn_id``: the backend's id in :mod:`server.model.compiled` when compiled.
         ``embeds``: (rows [M] int64, vectors [M, hidden]) that replace the token embeddings
@@ -201,7 +211,8 @@ class LlamaForCausalLM(nn.Module):
         hidden states [N, hidden] of those rows are returned, and the last layer runs its
         o_proj and MLP on them alone (a 512-token prefill chunk that wants one row's logits
         skips ~1/num_layers of the pass). Rows are computed independently on the native CPU
-        kernels, so a row's values do not change (tested)."""
+        kernels, so a row's values do not change (tested). ``lora``: the rows' LoRA adapters
+        (:class:`server.model.lora.LoraBatch`; runs the Python loop)."""
         x = (self.embed_tokens(input_ids) if self.tp is None
              else self.tp.embed(self.embed_tokens, input_ids))
         if self.arch.embed_scale != 1.0:  # Gemma: the scale is rounded to x's dtype first
@@ -210,14 +221,14 @@ class LlamaForCausalLM(nn.Module):
             x = x.index_copy(0, embeds[0], embeds[1].to(x.dtype))
         cos = self.cos_cache[positions].to(x.dtype)
         sin = self.sin_cache[positions].to(x.dtype)
-        if self.native_stack is not None and attn_id is None:
+        if self.native_stack is not None and attn_id is None and lora is None:
             return self.native_stack.forward(x, cos, sin, *attn.stack_inputs(), out_rows)
         local = (self.cos_local[positions].to(x.dtype), self.sin_local[positions].to(x.dtype)) \
             if self.arch.local_rope_theta is not None else (cos, sin)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             c, s = local if layer.window else (cos, sin)
-            x = layer(x, c, s, attn, attn_id, out_rows if i == last else None)
+            x = layer(x, c, s, attn, attn_id, out_rows if i == last else None, lora)
         return attn.rms_norm(x, self.norm, self.arch.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ from server.model.cuda_graph import CudaGraphRunner
 from server.model.forward_batch import ForwardBatch, ForwardMode, RunnerOutput
 from server.model.llama import LlamaForCausalLM
 from server.model.loader import LoadedModel
+from server.model.lora import LoraBatch, LoraWeights
 from server.model.native_stack import build_native_stack
 from server.model.parallel import TPGroup
 from server.model.tp_group import TensorParallelError, send_batch
@@ -57,6 +58,8 @@ class ModelRunner:
         cpu_threads: intra-op threads of a CPU pass (one process): N fixed, 0 adapted to the
             load (:class:`server.model.cpu_threads.AdaptiveThreads`) where the thread count
             cannot change a result (:attr:`batch_invariant`), else every core.
+        lora_slots, max_lora_rank: keep this many LoRA adapter slots of this rank
+            (:class:`server.model.lora.LoraWeights`, :attr:`lora`); 0 = LoRA off.
     """
 
     def __init__(self, loaded: LoadedModel, kv_pool: TokenKVPool, *, dtype: torch.dtype,
@@ -65,7 +68,8 @@ class ModelRunner:
                  compile_cache_dir: str | None = DEFAULT_CACHE_DIR,
                  dense_prefill_rows: int | None = None, native_linear: str | None = None,
                  cpu_isa: str | None = None, cpu_threads: int = 0, cuda_graph_max_bs: int = 0,
-                 req_to_token: torch.Tensor | None = None, tp: TPGroup | None = None):
+                 req_to_token: torch.Tensor | None = None, tp: TPGroup | None = None,
+                 lora_slots: int = 0, max_lora_rank: int = 0):
         # assembles the runner (model, backend, compiled stack, CUDA graphs, TP) in dependency
         # order; each part is a call into its own module
         arch = loaded.arch
@@ -86,6 +90,8 @@ class ModelRunner:
                                                    dense_min_rows=dense_prefill_rows,
                                                    native=native_linear)
         self.model = model.eval()
+        self.lora = (LoraWeights(model, lora_slots, max_lora_rank, dtype, self.device)
+                     if lora_slots else None)
         self.vision = None
         if loaded.vision is not None:  # a LLaVA checkpoint: its vision tower and projector
             if tp is not None:
@@ -133,8 +139,10 @@ class ModelRunner:
         """Whether a row's logits are bitwise the same whatever else is in its pass (batch,
         chunk boundaries, cache hits, verify passes): one CPU process, eager, on the native
         attention and every linear layer on the native kernels (QuantReport.row_invariant),
-        no MoE routing. Where True, drafts (jump-forward, n-gram) never change an output."""
+        no MoE routing, no LoRA slots (their matmuls are torch's). Where True, drafts
+        (jump-forward, n-gram) never change an output."""
         return (self.device.type == "cpu" and not self.compiled and self.tp is None
+                and self.lora is None
                 and self.attention.name == "cpu" and self.quant_report.row_invariant
                 and not self.arch.sparse_layers)
 
@@ -157,6 +165,14 @@ class ModelRunner:
             rows.append(torch.arange(row, row + hi - lo))
             vecs.append(image.embeds[lo:hi])
         return torch.cat(rows).to(self.device), torch.cat(vecs)
+
+    def _lora_batch(self, batch: ForwardBatch) -> LoraBatch | None:
+        """Each new token's adapter slot, or None when the pass has no adapter rows."""
+        if self.lora is None or not batch.lora_slots or max(batch.lora_slots) < 0:
+            return None
+        slots = torch.tensor(batch.lora_slots, dtype=torch.int64).repeat_interleave(
+            torch.tensor(batch.extend_lens, dtype=torch.int64))
+        return self.lora.batch(slots.to(self.device))
 
     def close(self) -> None:
         """Release the compiled graph's reference to the attention backend."""
@@ -188,7 +204,8 @@ class ModelRunner:
 
     def _forward(self, batch: ForwardBatch) -> RunnerOutput:
         dev = self.device
-        if (self.graphs is not None and batch.mode is ForwardMode.DECODE
+        lora = self._lora_batch(batch)
+        if (lora is None and self.graphs is not None and batch.mode is ForwardMode.DECODE
                 and batch.batch_size <= self.graphs.max_bs):
             return RunnerOutput(self.graphs.replay(
                 batch.input_ids, batch.positions, batch.out_cache_loc, batch.req_rows,
@@ -203,9 +220,10 @@ class ModelRunner:
         ))
         # only the logit rows' hidden states: the last layer's o_proj and MLP skip the rest
         rows = batch.logits_indices.to(dev)
-        if batch.images:  # image vectors replace the image tokens' embeddings (eager path)
+        if batch.images or lora is not None:  # image vectors, LoRA adapters: the eager path
             hidden = self.model(batch.input_ids.to(dev), batch.positions.to(dev),
-                                self.attention, embeds=self._image_embeds(batch), out_rows=rows)
+                                self.attention, out_rows=rows, lora=lora,
+                                embeds=self._image_embeds(batch) if batch.images else None)
         else:
             hidden = self._hidden(batch.input_ids.to(dev), batch.positions.to(dev), rows)
         if rows.numel() == 0:

@@ -131,6 +131,27 @@ async def _flush_cache(request: Request):
     return {"flushed": results}
 
 
+def _broadcast(path: str):
+    """A handler posting the body to every worker's ``path`` (a LoRA adapter is loaded on all
+    replicas): the first refusal's answer, else the last worker's."""
+    async def handler(request: Request):
+        router, body, answer = _router(request), await request.body(), None
+        for w in list(router.workers.values()):
+            try:
+                answer = await router.client.post(w.url + path, content=body, timeout=120.0,
+                                                  headers={**_auth(request),
+                                                           "content-type": "application/json"})
+            except httpx.HTTPError as exc:
+                return error_response(502, f"worker {w.url}: {exc}", type="server_error")
+            if answer.status_code >= 400:
+                break
+        if answer is None:
+            return error_response(503, "no workers", type="server_error")
+        return Response(answer.content, answer.status_code, media_type="application/json")
+
+    return handler
+
+
 async def _metrics(request: Request):
     """The router's metrics and every reachable worker's, labelled by worker."""
     router, families = _router(request), []
@@ -161,6 +182,8 @@ def create_router_app(router: Router) -> FastAPI:
     app.post("/workers")(_add_worker)
     app.delete("/workers")(_remove_worker)
     app.post("/flush_cache")(_flush_cache)
+    for path in ("/load_lora_adapter", "/unload_lora_adapter"):
+        app.post(path)(_broadcast(path))
     app.get("/metrics")(_metrics)
     return app
 

@@ -70,7 +70,8 @@ def build_extend(chunks: list[tuple[Req, int, torch.Tensor]],
         req_rows=[cache.row(r.rid) for r, _, _ in chunks], prefix_lens=prefix_lens,
         extend_lens=[n for _, n, _ in chunks],
         logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
-        req_to_token=cache.req_to_token, images=images)
+        req_to_token=cache.req_to_token, images=images,
+        lora_slots=[r.lora_slot for r, _, _ in chunks])
     return batch, plan
 
 
@@ -85,5 +86,5 @@ def build_decode(reqs: list[Req], slots: torch.Tensor,
         out_cache_loc=slots, req_rows=[cache.row(r.rid) for r in reqs],
         prefix_lens=[r.computed_len for r in reqs], extend_lens=[1] * len(reqs),
         logits_indices=torch.arange(len(reqs), dtype=torch.int64),
-        req_to_token=cache.req_to_token)
+        req_to_token=cache.req_to_token, lora_slots=[r.lora_slot for r in reqs])
     return batch, Plan(reqs, [[r.computed_len] for r in reqs])

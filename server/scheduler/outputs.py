@@ -9,7 +9,7 @@ finishes, never here.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
@@ -18,6 +18,9 @@ from server.model.forward_batch import RunnerOutput
 from server.model.sampling import Sampler, argmax_decides, argmax_rows, top_logprobs
 from server.scheduler.ngram import ngram_draft
 from server.scheduler.request import FinishReason, Req
+
+if TYPE_CHECKING:
+    from server.detokenizer import OutputText
 
 
 @dataclass
@@ -167,3 +170,30 @@ def set_draft(req: Req, tok: int, context_len: int, jump_forward_tokenizer: Any 
         draft = ngram_draft(req.fill_ids, min(room, speculative_ngram))
         req.draft = draft if req.grammar is None else accepted_prefix(req.grammar, draft)
         req.draft_source = "ngram"
+
+
+def native_output(req: Req, text: "OutputText") -> dict:
+    """The native ``/generate`` response of a finished request as the offline Engine returns it
+    (``{"text", "output_ids", "meta_info"}``; logprob entries ``(logprob, token_id, None)``),
+    cut at a stop string ``text`` (a :class:`server.detokenizer.OutputText`) matched: tokens
+    the scheduler produced past it are dropped."""
+    n = text.num_tokens
+    meta: dict[str, Any] = {
+        "id": req.rid,
+        "prompt_tokens": len(req.input_ids),
+        "completion_tokens": n,
+        "cached_tokens": req.cached_tokens,
+        "finish_reason": text.finish_reason,
+        "e2e_latency": req.finish_time - req.arrival_time,  # seconds, this request
+    }
+    if req.logprobs.return_logprob:  # SGLang's entries: (logprob, token_id, text or None)
+        meta["output_token_logprobs"] = _entries(req.output_token_logprobs[:n])
+        meta["input_token_logprobs"] = _entries(req.input_token_logprobs)
+        if req.logprobs.top_logprobs_num:
+            meta["output_top_logprobs"] = [_entries(t) for t in req.output_top_logprobs[:n]]
+            meta["input_top_logprobs"] = [_entries(t) for t in req.input_top_logprobs]
+    return {"text": text.text, "output_ids": list(req.output_ids[:n]), "meta_info": meta}
+
+
+def _entries(pairs) -> list[tuple[float | None, int, None]]:
+    return [(lp, tok, None) for lp, tok in pairs]

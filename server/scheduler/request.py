@@ -76,6 +76,7 @@ class Req:
     output_ids: list[int] = field(default_factory=list)
     status: ReqStatus = ReqStatus.WAITING
     namespace: Any = None  # radix-cache namespace (e.g. a cache salt)
+    lora_slot: int = -1  # the LoRA adapter's slot in the runner (server.model.lora); -1: none
     computed_len: int = 0
     images: tuple[ImageInput, ...] = ()  # multimodal: where each image's vectors go
     cached_tokens: int = 0  # prompt tokens reused from the cache at first admission

@@ -9,11 +9,12 @@ from server.sampling_params import SamplingParams
 
 
 class InvalidRequestError(ValueError):
-    """The request can never be served; ``param`` names the offending field."""
+    """The request can never be served; ``param`` names the offending field, ``status`` is
+    the HTTP status to answer (400; 404 for something named that does not exist)."""
 
-    def __init__(self, param: str, message: str):
+    def __init__(self, param: str, message: str, status: int = 400):
         super().__init__(message)
-        self.param = param
+        self.param, self.status = param, status
 
 
 def validate_request(input_ids: Sequence[int], params: SamplingParams, *, vocab_size: int,

@@ -35,21 +35,47 @@ class RuntimeEndpoint:
         base_url: server root (no ``/v1``).
         api_key: sent as ``Authorization: Bearer`` when the server requires a key.
         timeout: seconds per HTTP request (generation included).
+        model: the served model or LoRA adapter to run (as ``GET /v1/models`` lists it: an
+            adapter's name or "BASE:NAME"); an adapter is sent as every /generate's
+            ``lora_path`` (:attr:`lora`); None or any other name: the base model.
     Raises BackendError on any failed request (the server's message and status are kept).
     """
 
     is_chat_model = False
 
     def __init__(self, base_url: str = "http://127.0.0.1:30000", api_key: str | None = None,
-                 timeout: float = 600.0):
-        self.base_url = base_url.rstrip("/")
+                 timeout: float = 600.0, model: str | None = None):
+        self.base_url, self.model = base_url.rstrip("/"), model
+        self._lora: list[str | None] = []  # [the adapter] once resolved
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout)
         self._template: ChatTemplate | None = None
         self._model_info: dict[str, Any] | None = None
 
     # -- HTTP ----------------------------------------------------------------------------------
+    @property
+    def lora(self) -> str | None:
+        """The LoRA adapter ``model`` names on the server (looked up in ``GET /v1/models``
+        once), or None for the base model. Raises BackendError."""
+        if not self._lora:
+            name = None
+            if self.model:
+                try:
+                    r = self._http.get("/v1/models")
+                except httpx.HTTPError as exc:
+                    raise BackendError(f"cannot reach {self.base_url}: {exc}") from exc
+                if r.status_code != 200:
+                    raise BackendError(_error_message(r), r.status_code)
+                adapters = {m["id"] for m in r.json()["data"] if m.get("parent")}
+                tail = self.model.rpartition(":")[2]
+                name = self.model if self.model in adapters else (
+                    tail if ":" in self.model and tail in adapters else None)
+            self._lora.append(name)
+        return self._lora[0]
+
     def _post(self, path: str, body: dict[str, Any]) -> Any:
+        if path == "/generate" and self.model and self.lora is not None:
+            body = {**body, "lora_path": self.lora}
         try:
             r = self._http.post(path, json=body)
         except httpx.HTTPError as exc:
@@ -101,6 +127,8 @@ class RuntimeEndpoint:
     def generate_stream(self, call: GenCall) -> Iterator[str | GenResult]:
         """A streamed /generate: text deltas, then the GenResult. Raises BackendError."""
         body = {**self._body(call), "stream": True}
+        if self.model and self.lora is not None:
+            body["lora_path"] = self.lora
         sent, last = 0, None
         try:
             with self._http.stream("POST", "/generate", json=body) as r:

@@ -34,7 +34,8 @@ class SGLangLM(dspy.LM):
     """A ``dspy.LM`` for the bundled server.
 
     Args:
-        model: the server's served model name ("default" for the embedded model).
+        model: the server's served model name ("default" for the embedded model), or a LoRA
+            adapter it serves ("NAME" or "BASE:NAME"): every call of this LM runs on it.
         base_url: server root, e.g. ``http://127.0.0.1:30000`` (no ``/v1``).
         api_key: the server's ``--api-key``, if any (kept on the engine, never saved).
         temperature, max_tokens, cache, num_retries: as for ``dspy.LM``.

@@ -69,9 +69,10 @@ def _turns(request) -> list[tuple[str, str]] | None:
 
 class SGLangEngine:
     """Sync engine. Args: ``base_url`` of the bundled server (no ``/v1``), ``api_key``,
-    ``model`` (the served model name), ``lowering`` (ChatAdapter calls as programs),
-    ``timeout`` (seconds per HTTP request). Errors become dspy.lm15 errors (4xx ->
-    InvalidRequestError, 5xx -> ServerError, unreachable -> TransportError)."""
+    ``model`` (the served model name, or a LoRA adapter's: every call runs on it),
+    ``lowering`` (ChatAdapter calls as programs), ``timeout`` (seconds per HTTP request).
+    Errors become dspy.lm15 errors (4xx -> InvalidRequestError, 5xx -> ServerError,
+    unreachable -> TransportError)."""
 
     supports_function_calling = True
     supports_response_schema = True
@@ -85,7 +86,9 @@ class SGLangEngine:
 
         self.base_url, self.model, self.lowering = base_url.rstrip("/"), model, lowering
         self._api_key, self.timeout = api_key, timeout
-        self.backend = sgl.RuntimeEndpoint(self.base_url, api_key=api_key, timeout=timeout)
+        # a LoRA adapter's name as model: the lowered programs run on it too (lora_path)
+        self.backend = sgl.RuntimeEndpoint(self.base_url, api_key=api_key, timeout=timeout,
+                                           model=model)
         self.hints = PrefixHints(self.backend)
         self._openai = openai
         self.client = openai.OpenAI(base_url=self.base_url + "/v1", api_key=api_key or "EMPTY",

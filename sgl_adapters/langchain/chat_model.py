@@ -101,11 +101,12 @@ class ChatSGLang(OpenAIClients, BaseChatModel):
     @property
     def hints(self) -> PrefixHints:
         """The prefix hinter that prefills a batch's shared prefix once (created on first
-        use)."""
+        use; into the LoRA adapter's cache when ``model`` names one)."""
         if self._hints is None:
             key = self.api_key.get_secret_value() if self.api_key else None
             self._hints = PrefixHints(RuntimeEndpoint(self.base_url, api_key=key,
-                                                      timeout=self.timeout or 600.0))
+                                                      timeout=self.timeout or 600.0,
+                                                      model=self.model))
         return self._hints
 
     # -- LangChain metadata --------------------------------------------------------------------

@@ -147,7 +147,7 @@ def test_every_flag_is_declared_once_on_its_field():
     assert engine.cache.mem_fraction == 0.2
     # the Engine takes every field of its four configs and the seed, and nothing else
     fields = [f for cls in (ModelConfig, config_cls("cache"), config_cls("scheduler"),
-                            config_cls("parallel")) for f in dataclasses.fields(cls)]
+                            config_cls("parallel"), config_cls("lora")) for f in dataclasses.fields(cls)]
     kwargs = {("model" if f.name == "path" else f.name): f.default for f in fields}
     assert EngineConfig.from_kwargs(seed=1, **kwargs).seed == 1
     for name in ("port", "dp_size", "api_key"):  # the HTTP process's and the front's
