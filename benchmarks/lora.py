@@ -1,7 +1,7 @@
 """Multi-LoRA decode throughput: the base model alone vs 1, 4 and 8 adapters mixed in one batch.
 
     python -m benchmarks.lora [--model PATH] [--streams 16] [--tokens 64] [--rank 16]
-        [--adapters 0,1,4,8] [--repeats 2]
+        [--adapters 0,1,4,8] [--repeats 2] [--quantization int4]
 
 Random PEFT adapters (every attention and MLP projection, ``--rank``) are written for the
 model's shapes and served from one in-process Engine (``--max-loras-per-batch 8``). Each row
@@ -73,10 +73,13 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--adapters", default="0,1,4,8")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--quantization", default="auto", help="e.g. int4 for a bf16 checkpoint "
+                    "(benchmarks.random_model)")
     args = ap.parse_args()
     counts = [int(x) for x in args.adapters.split(",")]
     print(f"CPU: {cpu_description()}")
-    plain = Engine(args.model, max_total_tokens=args.streams * (args.tokens + 64))
+    plain = Engine(args.model, max_total_tokens=args.streams * (args.tokens + 64),
+                   quantization=args.quantization)
     tmp = tempfile.mkdtemp(prefix="lora-bench-")
     paths = []
     for i in range(max(counts)):
@@ -84,7 +87,7 @@ def main() -> None:
         write_adapter(f"{tmp}/a{i}", plain.arch, args.rank, seed=i)
     lora = Engine(args.model, max_total_tokens=args.streams * (args.tokens + 64),
                   lora_paths=tuple(paths), max_loras_per_batch=max(8, max(counts)),
-                  max_lora_rank=args.rank)
+                  max_lora_rank=args.rank, quantization=args.quantization)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, 40000, (32,), generator=g).tolist()
                for _ in range(args.streams)]

@@ -212,7 +212,7 @@ class LlamaForCausalLM(nn.Module):
         o_proj and MLP on them alone (a 512-token prefill chunk that wants one row's logits
         skips ~1/num_layers of the pass). Rows are computed independently on the native CPU
         kernels, so a row's values do not change (tested). ``lora``: the rows' LoRA adapters
-        (:class:`server.model.lora.LoraBatch`; runs the Python loop)."""
+        (:class:`server.model.lora.LoraBatch`)."""
         x = (self.embed_tokens(input_ids) if self.tp is None
              else self.tp.embed(self.embed_tokens, input_ids))
         if self.arch.embed_scale != 1.0:  # Gemma: the scale is rounded to x's dtype first
@@ -221,7 +221,10 @@ class LlamaForCausalLM(nn.Module):
             x = x.index_copy(0, embeds[0], embeds[1].to(x.dtype))
         cos = self.cos_cache[positions].to(x.dtype)
         sin = self.sin_cache[positions].to(x.dtype)
-        if self.native_stack is not None and attn_id is None and lora is None:
+        if self.native_stack is not None and attn_id is None:
+            if lora is not None:
+                return self.native_stack.forward_lora(x, cos, sin, *attn.stack_inputs(),
+                                                      out_rows, *lora.native_args())
             return self.native_stack.forward(x, cos, sin, *attn.stack_inputs(), out_rows)
         local = (self.cos_local[positions].to(x.dtype), self.sin_local[positions].to(x.dtype)) \
             if self.arch.local_rope_theta is not None else (cos, sin)

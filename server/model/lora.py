@@ -2,18 +2,17 @@
 per-pass row-to-adapter map (:class:`LoraBatch`), and the engine's name -> slot registry
 (:class:`LoraRegistry`).
 
-Layout: for each layer and projection ``p`` (:data:`server.model.lora_files.PROJECTIONS`),
-every slot owns ``R_p = max_rank * PARTS[p]`` columns (one block of ``max_rank`` per fused HF
-projection, e.g. q, k and v): ``A_p`` [slots * R_p, in] stacks the slots' A factors, ``B_p``
-[out, slots * R_p] their B factors (block-diagonal within a slot: q's B fills q's rows only),
-scales folded in, zeros where a slot or a block is empty.
+Layout (:class:`LoraProjection`): for each layer and projection (:data:`PROJECTIONS`), every
+slot owns ``parts * R`` rows of A (one block of R = max_rank per HF projection fused in ours:
+q, k and v; gate and up) and R columns of each part's B; scales are folded into B, and an empty slot or block
+is zeros.
 
 One pass over rows of several adapters (and of none: the base model) adds, per projection,
-``((x A_p^T) * M) B_p^T`` where the mask M [T, slots * R_p] keeps each row's own slot's
-columns: two dense matmuls and a product whatever the mix, so the op count does not grow with
-the number of adapters (the segmented gather matmul of Punica / S-LoRA, Chen et al. 2023 and
-Sheng et al. 2023, as one masked matmul pair; the columns span only the slots the pass uses).
-Rows of no adapter get exact zeros added. A pass with no adapter rows skips all of it.
+``((x A^T) * M)_k B_k^T`` for each part k, where the mask M keeps each row's own slot's
+columns: two dense matmuls per part and a product whatever the mix, so the op count does not
+grow with the number of adapters (the segmented gather matmul of Punica / S-LoRA, Chen et al.
+2023 and Sheng et al. 2023, as masked dense matmuls over the slots the pass uses). Rows of no
+adapter get exact zeros added. A pass with no adapter rows skips all of it.
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ import torch.nn.functional as F
 
 from server.lora_config import LoraConfig
 from server.model.lora_files import (
-    PARTS,
     PROJECTIONS,
     LoraAdapter,
     LoraError,
@@ -52,27 +50,52 @@ def slot_shape(config: LoraConfig) -> tuple[int, int]:
     return config.max_loras_per_batch, rank
 
 
+@dataclass
+class LoraProjection:
+    """One projection's slots. ``a``: [slots * parts * R, in], rows (slot, part, rank) in that
+    order; ``b``: per part k, [rows_k, slots * R], columns (slot, rank); ``rows``: (first row,
+    rows) of each part in the projection's output (q, k, v; gate, up; or the whole)."""
+
+    a: torch.Tensor
+    b: list[torch.Tensor]
+    rows: list[tuple[int, int]]
+
+
 class LoraWeights:
     """The stacked A and B factors of ``slots`` adapter slots for ``model`` (a loaded
-    :class:`server.model.llama.LlamaForCausalLM`), in ``dtype`` on ``device``.
+    :class:`server.model.llama.LlamaForCausalLM`), in ``dtype`` on ``device``. Memory:
+    slots * max_rank * (parts * in + out) elements per projection.
 
-    Args: max_rank: the largest r a slot takes (tokens of rank, not bytes)."""
+    Args: max_rank: the largest r a slot takes (R)."""
 
     def __init__(self, model, slots: int, max_rank: int, dtype: torch.dtype,
                  device: torch.device):
         self.slots, self.max_rank, self.dtype = slots, max_rank, dtype
-        self.stacks: list[dict[str, tuple[torch.Tensor, torch.Tensor, int]]] = []
+        self.stacks: list[dict[str, LoraProjection]] = []
+        self.used: set[int] = set()
+        # bf16 on CPU: the factors of slots [0, packed_slots) also reordered for oneDNN
+        # (1.4-1.8x the bandwidth of the plain matmul at decode's 16 rows: docs/benchmarks.md)
+        self.packed: dict[tuple[int, str], tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        self.packed_slots = 0
+        # LoraBatch.native_args's tensor lists, by (lo, hi, packed); emptied by _repack
+        self.flat: dict[tuple[int, int, bool], list[torch.Tensor]] = {}
+        self._pack = (dtype == torch.bfloat16 and torch.device(device).type == "cpu"
+                      and torch.backends.mkldnn.is_available())
         for layer in model.layers:
-            per: dict[str, tuple[torch.Tensor, torch.Tensor, int]] = {}
+            per: dict[str, LoraProjection] = {}
             for proj in PROJECTIONS:
                 linear = getattr(layer, proj, None)
                 if linear is None:  # a mixture-of-experts layer's MLP
                     continue
-                rp = max_rank * PARTS[proj]
-                per[proj] = (torch.zeros(slots * rp, linear.in_features, dtype=dtype,
-                                         device=device),
-                             torch.zeros(linear.out_features, slots * rp, dtype=dtype,
-                                         device=device), rp)
+                sizes = (list(layer.split) if proj == "qkv_proj" else
+                         [linear.out_features // 2] * 2 if proj == "gate_up_proj"
+                         else [linear.out_features])
+                offsets = [sum(sizes[:k]) for k in range(len(sizes))]
+                per[proj] = LoraProjection(
+                    torch.zeros(slots * len(sizes) * max_rank, linear.in_features,
+                                dtype=dtype, device=device),
+                    [torch.zeros(n, slots * max_rank, dtype=dtype, device=device)
+                     for n in sizes], list(zip(offsets, sizes)))
             self.stacks.append(per)
 
     def load(self, slot: int, adapter: LoraAdapter) -> None:
@@ -86,21 +109,51 @@ class LoraWeights:
                 raise LoraError(f"adapter {adapter.name!r}: layer {part.layer} has no "
                                 f"{part.proj} (an MoE layer)")
         self.clear(slot)
-        blocks: dict[tuple[int, str], int] = {}
-        for part in sorted(adapter.parts, key=lambda p: (p.layer, p.proj, p.offset)):
-            a, b, rp = self.stacks[part.layer][part.proj]
-            block = blocks.get((part.layer, part.proj), 0)
-            blocks[part.layer, part.proj] = block + 1
-            lo, r = slot * rp + block * self.max_rank, part.a.shape[0]
-            a[lo:lo + r] = part.a.to(self.dtype)
-            b[part.offset:part.offset + part.rows, lo:lo + r] = part.b.to(self.dtype)
+        R = self.max_rank
+        for part in adapter.parts:
+            p = self.stacks[part.layer][part.proj]
+            r, n_parts = part.a.shape[0], len(p.rows)
+            # the projection's parts this HF module covers: one (q_proj), or all of a fused
+            # one (Phi-3's qkv_proj: its A repeated for each, its B split by rows)
+            for k, (first, rows) in enumerate(p.rows):
+                if first < part.offset or first + rows > part.offset + part.rows:
+                    continue
+                at = (slot * n_parts + k) * R
+                p.a[at:at + r] = part.a.to(self.dtype)
+                p.b[k][:, slot * R:slot * R + r] = \
+                    part.b[first - part.offset:first - part.offset + rows].to(self.dtype)
+        self.used.add(slot)
+        self._repack()
 
     def clear(self, slot: int) -> None:
-        """Zero ``slot``'s columns (an unloaded adapter)."""
+        """Zero ``slot``'s factors (an unloaded adapter)."""
+        R = self.max_rank
         for per in self.stacks:
-            for a, b, rp in per.values():
-                a[slot * rp:(slot + 1) * rp] = 0
-                b[:, slot * rp:(slot + 1) * rp] = 0
+            for p in per.values():
+                n_parts = len(p.rows)
+                p.a[slot * n_parts * R:(slot + 1) * n_parts * R] = 0
+                for b in p.b:
+                    b[:, slot * R:(slot + 1) * R] = 0
+        self.used.discard(slot)
+        self._repack()
+
+    def _repack(self) -> None:
+        """Reorder the factors of slots [0, highest used + 1) for oneDNN (bf16 CPU only)."""
+        self.packed, self.packed_slots, self.flat = {}, 0, {}
+        n = max(self.used, default=-1) + 1
+        if not self._pack or n == 0:
+            return
+        R, reorder = self.max_rank, torch.ops.mkldnn._reorder_linear_weight
+        try:
+            for layer, per in enumerate(self.stacks):
+                for proj, p in per.items():
+                    self.packed[layer, proj] = (
+                        reorder(p.a[:n * len(p.rows) * R].contiguous()),
+                        [reorder(b[:, :n * R].contiguous()) for b in p.b])
+        except RuntimeError:  # this oneDNN build cannot: the plain matmuls run
+            self._pack, self.packed = False, {}
+            return
+        self.packed_slots = n
 
     def batch(self, token_slots: torch.Tensor) -> "LoraBatch | None":
         """The pass's :class:`LoraBatch` for ``token_slots`` ([T] int64, each row's slot, -1
@@ -110,42 +163,89 @@ class LoraWeights:
 
 @dataclass
 class LoraBatch:
-    """Which slot each row of one pass uses. ``slots``: [T] int64 (-1: none); columns of slots
+    """Which slot each row of one pass uses. ``slots``: [T] int64 (-1: none); slots
     [lo, hi) take part."""
 
     weights: LoraWeights
     slots: torch.Tensor
     lo: int
     hi: int
+    packed: bool = False  # slots [0, weights.packed_slots) on the reordered factors
     _masks: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @classmethod
     def of(cls, weights: LoraWeights, slots: torch.Tensor) -> "LoraBatch | None":
-        """None when no row of ``slots`` has an adapter."""
+        """None when no row of ``slots`` has an adapter. Where the slots used span at least
+        half of the packed ones, the pass runs over all of those (the reordered matmul reads
+        the other slots' zeros-masked factors too, and still wins)."""
         used = slots[slots >= 0]
         if used.numel() == 0:
             return None
-        return cls(weights, slots, int(used.min()), int(used.max()) + 1)
+        lo, hi, n = int(used.min()), int(used.max()) + 1, weights.packed_slots
+        if n and hi <= n and 2 * (hi - lo) >= n:
+            return cls(weights, slots, 0, n, packed=True)
+        return cls(weights, slots, lo, hi)
 
-    def take(self, rows: torch.Tensor) -> "LoraBatch | None":
-        """The batch of rows ``rows`` ([N] int64) only (the last layer's wanted rows)."""
-        return LoraBatch.of(self.weights, self.slots[rows])
+    def take(self, rows: torch.Tensor) -> "LoraBatch":
+        """The batch of rows ``rows`` ([N] int64) only (the last layer's wanted rows), over
+        the same slots (as the native stack selects its masks' rows)."""
+        return LoraBatch(self.weights, self.slots[rows], self.lo, self.hi, self.packed)
 
     def delta(self, layer: int, proj: str, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in] -> the adapters' addition to projection ``proj`` of layer ``layer``:
-        [T, out] in x's dtype."""
-        a, b, rp = self.weights.stacks[layer][proj]
-        cols = slice(self.lo * rp, self.hi * rp)
-        h = F.linear(x.to(a.dtype), a[cols]) * self._mask(rp)
-        return F.linear(h, b[:, cols]).to(x.dtype)
+        [T, out] in x's dtype. Per part k, ``(x A^T * M)_k B_k^T``: B's parts are read
+        separately (a block-diagonal B would read zeros: 2/3 of a fused qkv's)."""
+        p = self.weights.stacks[layer][proj]
+        R, n_parts, lo, hi = self.weights.max_rank, len(p.rows), self.lo, self.hi
+        if self.packed:
+            a, bs = self.weights.packed[layer, proj]
+            linear = _packed_linear
+        else:
+            a, bs = p.a[lo * n_parts * R:hi * n_parts * R], [b[:, lo * R:hi * R] for b in p.b]
+            linear = F.linear
+        h = linear(x.to(p.a.dtype).contiguous(), a) * self._mask(n_parts)
+        if n_parts == 1:
+            return linear(h, bs[0]).to(x.dtype)
+        h = h.view(-1, hi - lo, n_parts, R)
+        return torch.cat([linear(h[:, :, k].reshape(-1, (hi - lo) * R), b)
+                          for k, b in enumerate(bs)], dim=1).to(x.dtype)
 
-    def _mask(self, rp: int) -> torch.Tensor:
-        mask = self._masks.get(rp)
+    def native_args(self) -> tuple[list[torch.Tensor], list[torch.Tensor], int, bool]:
+        """The pass as ``sgl_cpu::DecoderStack.forward_lora`` takes it: per layer, each
+        projection's A then its parts' B (11 tensors a layer), the masks of 1, 2 and 3 parts,
+        the rank and whether the factors are oneDNN-reordered."""
+        w = self.weights
+        key = (self.lo, self.hi, self.packed)
+        flat = w.flat.get(key)
+        if flat is None:
+            R, flat = w.max_rank, []
+            for layer, per in enumerate(w.stacks):
+                for proj in PROJECTIONS:
+                    p = per[proj]
+                    n = len(p.rows)
+                    if self.packed:
+                        a, bs = w.packed[layer, proj]
+                        flat += [a, *bs]
+                    else:
+                        flat += [p.a[self.lo * n * R:self.hi * n * R],
+                                 *(b[:, self.lo * R:self.hi * R] for b in p.b)]
+            w.flat[key] = flat
+        return flat, [self._mask(n) for n in (1, 2, 3)], w.max_rank, self.packed
+
+    def _mask(self, n_parts: int) -> torch.Tensor:
+        """[T, (hi - lo) * n_parts * R]: 1 where a column belongs to the row's slot."""
+        mask = self._masks.get(n_parts)
         if mask is None:
             col_slot = torch.arange(self.lo, self.hi, device=self.slots.device)
-            mask = (self.slots[:, None] == col_slot.repeat_interleave(rp)[None, :])
-            mask = self._masks[rp] = mask.to(self.weights.dtype)
+            col_slot = col_slot.repeat_interleave(n_parts * self.weights.max_rank)
+            mask = self._masks[n_parts] = (self.slots[:, None] == col_slot[None, :]).to(
+                self.weights.dtype)
         return mask
+
+
+def _packed_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [T, in] @ a oneDNN-reordered weight [out, in]^T -> [T, out]."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,6 @@ from dataclasses import dataclass, field
 import torch
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-# how many HF projections a fused one of ours holds (the column blocks of a slot)
-PARTS = {"qkv_proj": 3, "o_proj": 1, "gate_up_proj": 2, "down_proj": 1}
 _PREFIX = "base_model.model."
 # adapter_config.json keys whose set (truthy) value we cannot serve, and why
 _REFUSED = {

@@ -33,12 +33,13 @@ class LoraHarness:
     """A runner with LoRA slots over ``path``; ``extend`` runs one pass of several sequences,
     each with its adapter slot."""
 
-    def __init__(self, path: str, slots: int = 4, max_rank: int = 8):
+    def __init__(self, path: str, slots: int = 4, max_rank: int = 8,
+                 dtype: torch.dtype = torch.float32):
         loaded = load_model(path)
         a = loaded.arch
-        self.pool = TokenKVPool(4096, a.num_layers, a.num_kv_heads, a.head_dim)
+        self.pool = TokenKVPool(4096, a.num_layers, a.num_kv_heads, a.head_dim, dtype=dtype)
         self.table = ReqToTokenTable(16, 512)
-        self.runner = ModelRunner(loaded, self.pool, dtype=torch.float32, max_positions=512,
+        self.runner = ModelRunner(loaded, self.pool, dtype=dtype, max_positions=512,
                                   lora_slots=slots, max_lora_rank=max_rank)
         self.registry = LoraRegistry(self.runner.lora, self.runner.model)
 
@@ -93,6 +94,28 @@ def test_mixed_adapters_match_peft(make_tiny_model, tmp_path, kind, mixed):
             assert (out - hf_logits(merged[slot], seq)).abs().max().item() <= TOL
             assert (ref - hf_logits(hf, seq)).abs().max().item() > 1e-2  # the adapter matters
         assert (out - ref).abs().max().item() <= TOL
+
+
+def test_bf16_reordered_factors_match_the_plain_matmuls(make_tiny_model, tmp_path):
+    """In bf16 on CPU the slots' factors are also kept reordered for oneDNN, used when a pass
+    spans at least half of the loaded slots: the logits match the plain path's."""
+    path, hf = make_tiny_model("llama")
+    h = LoraHarness(path, dtype=torch.bfloat16)
+    for i, spec in enumerate(ADAPTERS):
+        make_adapter(hf, str(tmp_path / f"a{i}"), spec[0], spec[1], spec[2], spec[3], seed=i)
+        h.registry.load(f"a{i}", str(tmp_path / f"a{i}"))
+    weights = h.runner.lora
+    if not weights.packed_slots:
+        pytest.skip("this torch build cannot reorder bf16 weights for oneDNN")
+    seqs = list(zip(_seqs([5, 9, 3, 12]), [0, 1, 2, 3]))
+    slots = torch.tensor([s for toks, s in seqs for _ in toks])
+    assert weights.batch(slots).packed
+    packed = h.extend(seqs)
+    weights.packed_slots = 0  # the plain matmuls over the same slots
+    assert not weights.batch(slots).packed
+    plain = h.extend(seqs)
+    for a, b in zip(packed, plain):
+        assert (a.float() - b.float()).abs().max().item() <= 0.05 * b.float().abs().max().item()
 
 
 def test_unloaded_slot_is_the_base_model_again(make_tiny_model, tmp_path):

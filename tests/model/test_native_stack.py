@@ -43,6 +43,46 @@ def test_one_native_call_equals_the_python_loop(make_tiny_model, isa, dtype, kin
     assert _results(engine) == stacked
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_lora_adapters_in_one_native_call_equal_the_python_loop(make_tiny_model, tmp_path, isa,
+                                                                dtype):
+    """Rows of several LoRA adapters and the base model in one pass (server/model/lora.py):
+    the native stack's forward_lora gives bitwise the Python loop's tokens and logprobs, on
+    the plain and (bf16) the oneDNN-reordered factors."""
+    pytest.importorskip("peft")
+    from server.model.sampling import SamplingParams
+    from server.scheduler.request import LogprobOptions
+    from tests.helpers import LORA_TARGETS, make_adapter
+
+    path, hf = make_tiny_model("llama", seed=5)
+    for i in range(3):
+        make_adapter(hf, str(tmp_path / f"a{i}"), 4 * (i + 1), 8, LORA_TARGETS, False, seed=i)
+    engine = Engine(path, dtype=dtype, cpu_isa=isa, quantization="int4", context_length=256,
+                    max_total_tokens=4096, disable_radix_cache=True, max_loras_per_batch=4,
+                    max_lora_rank=16, lora_paths=tuple(f"a{i}={tmp_path}/a{i}" for i in range(3)))
+    model = engine.runner.model
+    assert model.native_stack is not None, unsupported_reason(model, engine.runner.attention)
+    sp = SamplingParams(max_new_tokens=5, temperature=0, ignore_eos=True)
+
+    def results() -> list[tuple]:
+        reqs = [engine.make_request(p, sp, LogprobOptions(True, 0), lora=lora) for p in PROMPTS
+                for lora in (None, "a0", "a1", "a2")]
+        return [(tuple(o["output_ids"]),
+                 tuple(lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]),
+                 tuple(lp for lp, _, _ in o["meta_info"]["input_token_logprobs"][1:]))
+                for o in engine.run(reqs)]
+
+    stack = model.native_stack
+    for packed in ([engine.runner.lora.packed_slots, 0] if dtype == "bfloat16" else [0]):
+        engine.runner.lora.packed_slots = packed
+        stacked = results()
+        model.native_stack = None
+        assert results() == stacked
+        model.native_stack = stack
+        assert len({o[0] for o in stacked}) > len(PROMPTS)  # the adapters matter
+
+
 def test_models_it_does_not_take_run_the_python_loop(make_tiny_model):
     gemma, _ = make_tiny_model("gemma2", seed=1)
     dense, _ = make_tiny_model("llama", seed=1)

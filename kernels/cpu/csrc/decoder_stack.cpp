@@ -14,6 +14,7 @@
 // followed by rms_norm(x), with one pass over the rows fewer.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <ATen/record_function.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
@@ -77,6 +78,47 @@ struct Linear {
       }
     }
     return bias.defined() ? y + bias : y;  // QuantLinear: y + bias.to(y.dtype)
+  }
+};
+
+// The LoRA adapters of one pass (server/model/lora.py, LoraBatch.native_args): per layer, for
+// qkv_proj, o_proj, gate_up_proj and down_proj, A then the B of each of its parts (q, k, v;
+// o; gate, up; down) = 11 tensors a layer; masks[P - 1] [T, n * P * R] keeps each row's own
+// slot's columns of a projection of P parts; rank R; packed: A and B are oneDNN-reordered
+// (mkldnn::_linear_pointwise), else plain [out, in] matrices (at::linear).
+struct Lora {
+  const std::vector<at::Tensor>& w;
+  std::vector<at::Tensor> masks;
+  int64_t rank;
+  bool packed;
+
+  static constexpr int kParts[4] = {3, 1, 2, 1};
+  static constexpr int kFirst[4] = {0, 4, 6, 9};  // A's index among a layer's 11
+
+  at::Tensor linear(const at::Tensor& x, const at::Tensor& w) const {
+    if (!packed) return at::linear(x, w);
+    static const auto f =
+        c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+    torch::jit::Stack stack{x, w, c10::IValue(), std::string("none"),
+                            c10::List<std::optional<at::Scalar>>(), c10::IValue()};
+    f.callBoxed(&stack);
+    return stack[0].toTensor();
+  }
+
+  // x [T, in] -> the adapters' addition to projection j of layer l, [T, out] in x's dtype
+  // (LoraBatch.delta's order of operations)
+  at::Tensor delta(size_t l, int j, const at::Tensor& x) const {
+    RECORD_FUNCTION("sgl_cpu::lora_delta", std::vector<c10::IValue>());
+    const at::Tensor* t = &w[11 * l + kFirst[j]];
+    const int parts = kParts[j];
+    const at::Tensor h = linear(x.contiguous(), t[0]) * masks[parts - 1];
+    if (parts == 1) return linear(h, t[1]);
+    const int64_t T = x.size(0), n = h.size(1) / (parts * rank);
+    const at::Tensor hv = h.view({T, n, parts, rank});
+    std::vector<at::Tensor> outs;
+    for (int k = 0; k < parts; ++k)
+      outs.push_back(linear(hv.select(2, k).reshape({T, n * rank}), t[1 + k]));
+    return at::cat(outs, 1);
   }
 };
 
@@ -151,6 +193,28 @@ class DecoderStack : public torch::CustomClassHolder {
   at::Tensor forward(at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor req_to_token,
                      at::Tensor req_rows, at::Tensor prefix_lens, at::Tensor extend_lens,
                      at::Tensor loc, std::optional<at::Tensor> out_rows) {
+    return run(x, cos, sin, req_to_token, req_rows, prefix_lens, extend_lens, loc, out_rows,
+               nullptr);
+  }
+
+  // forward with LoRA adapters added to every projection (see Lora): lora_w 11 tensors a
+  // layer, masks the three [T, n * P * R] masks (P = 1, 2, 3), rank R, packed.
+  at::Tensor forward_lora(at::Tensor x, at::Tensor cos, at::Tensor sin,
+                          at::Tensor req_to_token, at::Tensor req_rows,
+                          at::Tensor prefix_lens, at::Tensor extend_lens, at::Tensor loc,
+                          std::optional<at::Tensor> out_rows, std::vector<at::Tensor> lora_w,
+                          std::vector<at::Tensor> masks, int64_t rank, bool packed) {
+    TORCH_CHECK(lora_w.size() == 11 * layers_.size() && masks.size() == 3,
+                "forward_lora: 11 LoRA tensors a layer and 3 masks");
+    Lora lora{lora_w, std::move(masks), rank, packed};
+    return run(x, cos, sin, req_to_token, req_rows, prefix_lens, extend_lens, loc, out_rows,
+               &lora);
+  }
+
+ private:
+  at::Tensor run(at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor req_to_token,
+                 at::Tensor req_rows, at::Tensor prefix_lens, at::Tensor extend_lens,
+                 at::Tensor loc, std::optional<at::Tensor> out_rows, Lora* lora) {
     TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [T, H] tensor");
     TORCH_CHECK(!out_rows || (out_rows->dim() == 1 && out_rows->scalar_type() == at::kLong),
                 "out_rows must be a [N] int64 tensor");
@@ -166,6 +230,7 @@ class DecoderStack : public torch::CustomClassHolder {
     for (size_t l = 0; l < layers_.size(); ++l) {
       Layer& layer = layers_[l];
       at::Tensor qkv = layer.linears[0](h);
+      if (lora) qkv = qkv + lora->delta(l, 0, h);
       {
         RECORD_FUNCTION("sgl_cpu::rope_store", std::vector<c10::IValue>());
         if (rope_op_) rope_op_->call(qkv, cos, sin, num_q_, num_kv_, D, k_[l], v_[l], loc);
@@ -186,22 +251,28 @@ class DecoderStack : public torch::CustomClassHolder {
         if (T == 0) return x.new_empty({0, x.size(1)});
         o = o.index_select(0, *out_rows);
         x = x.index_select(0, *out_rows);
+        if (lora)
+          for (at::Tensor& m : lora->masks) m = m.index_select(0, *out_rows);
       }
-      o = layer.linears[1](o.reshape({T, -1}));
+      o = o.reshape({T, -1});
+      if (lora) o = layer.linears[1](o) + lora->delta(l, 1, o);
+      else o = layer.linears[1](o);
       {
         RECORD_FUNCTION("sgl_cpu::add_rms_norm", std::vector<c10::IValue>());
         h = add_norm(o, x, layer.post_norm);
       }
       at::Tensor act;
-      if (layer.fused_gate_up) {  // the same values, without the [T, 2 I] intermediate
+      if (layer.fused_gate_up && !lora) {  // the same values, without the [T, 2 I] one
         static const auto f = op<Int4Op>("sgl_cpu_vnni::int4_linear_silu");
         act = f.call(h, layer.linears[2].packed, layer.linears[2].out_features);
       } else {
         act = layer.linears[2](h);
+        if (lora) act = act + lora->delta(l, 2, h);
         RECORD_FUNCTION("sgl_cpu::silu_mul", std::vector<c10::IValue>());
         act = silu_op_ ? silu_op_->call(act) : silu_mul(act);
       }
-      const at::Tensor out = layer.linears[3](act);
+      at::Tensor out = layer.linears[3](act);
+      if (lora) out = out + lora->delta(l, 3, act);
       {
         RECORD_FUNCTION("sgl_cpu::add_rms_norm", std::vector<c10::IValue>());
         h = add_norm(out, x, l + 1 < layers_.size() ? layers_[l + 1].input_norm : final_norm_);
@@ -210,7 +281,6 @@ class DecoderStack : public torch::CustomClassHolder {
     return h;
   }
 
- private:
   // residual += x, then its RMSNorm, on the AVX-512 library's op where attention runs there
   at::Tensor add_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& w) const {
     return add_norm_op_ ? add_norm_op_->call(x, residual, w, eps_)
@@ -241,5 +311,6 @@ TORCH_LIBRARY_FRAGMENT(sgl_cpu, m) {
   m.class_<sgl_cpu::DecoderStack>("DecoderStack")
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<at::Tensor>,
                        std::vector<at::Tensor>, std::vector<double>>())
-      .def("forward", &sgl_cpu::DecoderStack::forward);
+      .def("forward", &sgl_cpu::DecoderStack::forward)
+      .def("forward_lora", &sgl_cpu::DecoderStack::forward_lora);
 }
