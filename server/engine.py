@@ -37,7 +37,8 @@ from server.constrained.spec import make_spec
 from server.detokenizer import OutputText, StopRegexTimeout
 from server.images import EngineImages
 from server.model.loader import load_model
-from server.model.lora import LoraError, LoraRegistry, slot_shape
+from server.model.lora_files import LoraError
+from server.model.lora_registry import LoraRegistry, slot_shape
 from server.model.runner import ModelRunner
 from server.model.sampling import Sampler, SamplingParams
 from server.model.tp_worker import RankZero

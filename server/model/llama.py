@@ -132,7 +132,7 @@ class DecoderLayer(nn.Module):
     def _project(self, name: str, x: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:
         """Linear layer ``name`` of x [T, in], plus the pass's LoRA adapters' share."""
         y = getattr(self, name)(x)
-        return y if lora is None else y + lora.delta(self.layer_id, name, x)
+        return y if lora is None else lora.add_to(self.layer_id, name, x, y)
 
     def _attention(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    attn: AttentionBackend, attn_id: int | None) -> torch.Tensor:

@@ -26,7 +26,8 @@ from server.config import EngineConfig
 from server.constrained.grammar import COMPILE_TIMEOUT_S, GrammarCompiler
 from server.constrained.spec import GrammarError
 from server.engine import Engine
-from server.model.lora import LoraBusyError, LoraError
+from server.model.lora_files import LoraError
+from server.model.lora_registry import LoraBusyError
 from server.sampling_params import SamplingParams, SamplingParamsError
 from server.scheduler.outputs import TokenDelta
 from server.scheduler.request import LogprobOptions, Req

@@ -15,8 +15,8 @@ from server.cache.kv_pool import TokenKVPool
 from server.cache.req_table import ReqToTokenTable
 from server.model.forward_batch import ForwardBatch, ForwardMode
 from server.model.loader import load_model
-from server.model.lora import LoraRegistry
 from server.model.lora_files import LoraError
+from server.model.lora_registry import LoraRegistry
 from server.model.runner import ModelRunner
 from tests.helpers import LORA_TARGETS as ALL
 from tests.helpers import hf_logits, make_adapter
@@ -68,9 +68,13 @@ def _seqs(lengths, seed=0):
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "phi3", "gemma2"])
 @pytest.mark.parametrize("mixed", [1, 2, 4])
-def test_mixed_adapters_match_peft(make_tiny_model, tmp_path, kind, mixed):
+@pytest.mark.parametrize("lengths", [[5, 17, 9, 30, 1, 12], [5, 3, 9, 1, 7, 2]],
+                         ids=["masked", "short"])
+def test_mixed_adapters_match_peft(make_tiny_model, tmp_path, kind, mixed, lengths):
     """``mixed`` adapters and the base model in one pass: every row matches peft with its own
-    adapter (unmerged and merged) and the base rows match transformers."""
+    adapter (unmerged and merged) and the base rows match transformers. A pass of up to
+    SGMV_MAX_ROWS rows ("short") runs the per-row kernel where it is built, a longer one the
+    masked matmuls."""
     path, hf = make_tiny_model(kind)
     h = LoraHarness(path)
     peft_models = []
@@ -80,7 +84,7 @@ def test_mixed_adapters_match_peft(make_tiny_model, tmp_path, kind, mixed):
         out = str(tmp_path / f"a{i}")
         peft_models.append(make_adapter(hf, out, spec[0], spec[1], targets, spec[3], seed=i))
         assert h.registry.load(f"a{i}", out).slot == i
-    seqs = _seqs([5, 17, 9, 30, 1, 12])
+    seqs = _seqs(lengths)
     slots = [i % (mixed + 1) - 1 for i in range(len(seqs))]  # -1: the base model
     outs = h.extend(list(zip(seqs, slots)))
     merged = {}
@@ -109,10 +113,11 @@ def test_bf16_reordered_factors_match_the_plain_matmuls(make_tiny_model, tmp_pat
         pytest.skip("this torch build cannot reorder bf16 weights for oneDNN")
     seqs = list(zip(_seqs([5, 9, 3, 12]), [0, 1, 2, 3]))
     slots = torch.tensor([s for toks, s in seqs for _ in toks])
-    assert weights.batch(slots).packed
+    weights.sgmv = False  # the masked matmuls: reordered, then plain
+    assert weights.batch(slots).mode == "packed"
     packed = h.extend(seqs)
-    weights.packed_slots = 0  # the plain matmuls over the same slots
-    assert not weights.batch(slots).packed
+    weights.packed_slots = 0
+    assert weights.batch(slots).mode == "plain"
     plain = h.extend(seqs)
     for a, b in zip(packed, plain):
         assert (a.float() - b.float()).abs().max().item() <= 0.05 * b.float().abs().max().item()

@@ -48,8 +48,8 @@ def test_one_native_call_equals_the_python_loop(make_tiny_model, isa, dtype, kin
 def test_lora_adapters_in_one_native_call_equal_the_python_loop(make_tiny_model, tmp_path, isa,
                                                                 dtype):
     """Rows of several LoRA adapters and the base model in one pass (server/model/lora.py):
-    the native stack's forward_lora gives bitwise the Python loop's tokens and logprobs, on
-    the plain and (bf16) the oneDNN-reordered factors."""
+    the native stack's forward_lora gives bitwise the Python loop's tokens and logprobs in
+    each of lora.py's modes."""
     pytest.importorskip("peft")
     from server.model.sampling import SamplingParams
     from server.scheduler.request import LogprobOptions
@@ -73,9 +73,10 @@ def test_lora_adapters_in_one_native_call_equal_the_python_loop(make_tiny_model,
                  tuple(lp for lp, _, _ in o["meta_info"]["input_token_logprobs"][1:]))
                 for o in engine.run(reqs)]
 
-    stack = model.native_stack
-    for packed in ([engine.runner.lora.packed_slots, 0] if dtype == "bfloat16" else [0]):
-        engine.runner.lora.packed_slots = packed
+    stack, weights = model.native_stack, engine.runner.lora
+    modes = [(True, weights.packed_slots), (False, weights.packed_slots), (False, 0)]
+    for sgmv, packed in modes:  # the per-row kernel (decode), reordered, plain matmuls
+        weights.sgmv, weights.packed_slots = sgmv, packed
         stacked = results()
         model.native_stack = None
         assert results() == stacked

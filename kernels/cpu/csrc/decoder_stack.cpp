@@ -83,20 +83,24 @@ struct Linear {
 
 // The LoRA adapters of one pass (server/model/lora.py, LoraBatch.native_args): per layer, for
 // qkv_proj, o_proj, gate_up_proj and down_proj, A then the B of each of its parts (q, k, v;
-// o; gate, up; down) = 11 tensors a layer; masks[P - 1] [T, n * P * R] keeps each row's own
-// slot's columns of a projection of P parts; rank R; packed: A and B are oneDNN-reordered
-// (mkldnn::_linear_pointwise), else plain [out, in] matrices (at::linear).
+// o; gate, up; down) = 11 tensors a layer; slots [T] each row's slot (-1: none); rank R; mode:
+//   SGMV: A [S * P * R, in] and B^T [S * R, rows_k] of every slot, run by lora_sgmv_;
+//   PACKED / PLAIN: [out, in] weights, oneDNN-reordered (mkldnn::_linear_pointwise) or plain
+//   (at::linear), of the slots the pass spans, masked by masks[P - 1] [T, n * P * R].
+enum LoraMode : int64_t { LORA_PLAIN = 0, LORA_PACKED = 1, LORA_SGMV = 2 };
+
 struct Lora {
   const std::vector<at::Tensor>& w;
   std::vector<at::Tensor> masks;
+  at::Tensor slots;
   int64_t rank;
-  bool packed;
+  int64_t mode;
 
   static constexpr int kParts[4] = {3, 1, 2, 1};
   static constexpr int kFirst[4] = {0, 4, 6, 9};  // A's index among a layer's 11
 
   at::Tensor linear(const at::Tensor& x, const at::Tensor& w) const {
-    if (!packed) return at::linear(x, w);
+    if (mode == LORA_PLAIN) return at::linear(x, w);
     static const auto f =
         c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
     torch::jit::Stack stack{x, w, c10::IValue(), std::string("none"),
@@ -105,20 +109,25 @@ struct Lora {
     return stack[0].toTensor();
   }
 
-  // x [T, in] -> the adapters' addition to projection j of layer l, [T, out] in x's dtype
-  // (LoraBatch.delta's order of operations)
-  at::Tensor delta(size_t l, int j, const at::Tensor& x) const {
-    RECORD_FUNCTION("sgl_cpu::lora_delta", std::vector<c10::IValue>());
+  // y + the adapters' addition to projection j of layer l, for its input x [T, in] and
+  // output y [T, out] (updated in place in SGMV mode; LoraBatch.add_to's operations)
+  at::Tensor add_to(size_t l, int j, const at::Tensor& x, at::Tensor y) const {
+    RECORD_FUNCTION("sgl_cpu::lora_add", std::vector<c10::IValue>());
     const at::Tensor* t = &w[11 * l + kFirst[j]];
     const int parts = kParts[j];
+    if (mode == LORA_SGMV) {
+      lora_sgmv_(y, x.contiguous(), slots, t[0], std::vector<at::Tensor>(t + 1, t + 1 + parts),
+                 rank);
+      return y;
+    }
     const at::Tensor h = linear(x.contiguous(), t[0]) * masks[parts - 1];
-    if (parts == 1) return linear(h, t[1]);
+    if (parts == 1) return y + linear(h, t[1]);
     const int64_t T = x.size(0), n = h.size(1) / (parts * rank);
     const at::Tensor hv = h.view({T, n, parts, rank});
     std::vector<at::Tensor> outs;
     for (int k = 0; k < parts; ++k)
       outs.push_back(linear(hv.select(2, k).reshape({T, n * rank}), t[1 + k]));
-    return at::cat(outs, 1);
+    return y + at::cat(outs, 1);
   }
 };
 
@@ -198,15 +207,18 @@ class DecoderStack : public torch::CustomClassHolder {
   }
 
   // forward with LoRA adapters added to every projection (see Lora): lora_w 11 tensors a
-  // layer, masks the three [T, n * P * R] masks (P = 1, 2, 3), rank R, packed.
+  // layer, masks the three [T, n * P * R] masks (P = 1, 2, 3; none in SGMV mode), slots [T]
+  // int64, rank R, mode (LoraMode).
   at::Tensor forward_lora(at::Tensor x, at::Tensor cos, at::Tensor sin,
                           at::Tensor req_to_token, at::Tensor req_rows,
                           at::Tensor prefix_lens, at::Tensor extend_lens, at::Tensor loc,
                           std::optional<at::Tensor> out_rows, std::vector<at::Tensor> lora_w,
-                          std::vector<at::Tensor> masks, int64_t rank, bool packed) {
-    TORCH_CHECK(lora_w.size() == 11 * layers_.size() && masks.size() == 3,
-                "forward_lora: 11 LoRA tensors a layer and 3 masks");
-    Lora lora{lora_w, std::move(masks), rank, packed};
+                          std::vector<at::Tensor> masks, at::Tensor slots, int64_t rank,
+                          int64_t mode) {
+    TORCH_CHECK(lora_w.size() == 11 * layers_.size() &&
+                    masks.size() == (mode == LORA_SGMV ? 0u : 3u),
+                "forward_lora: 11 LoRA tensors a layer and 3 masks (none for SGMV)");
+    Lora lora{lora_w, std::move(masks), slots.contiguous(), rank, mode};
     return run(x, cos, sin, req_to_token, req_rows, prefix_lens, extend_lens, loc, out_rows,
                &lora);
   }
@@ -230,7 +242,7 @@ class DecoderStack : public torch::CustomClassHolder {
     for (size_t l = 0; l < layers_.size(); ++l) {
       Layer& layer = layers_[l];
       at::Tensor qkv = layer.linears[0](h);
-      if (lora) qkv = qkv + lora->delta(l, 0, h);
+      if (lora) qkv = lora->add_to(l, 0, h, qkv);
       {
         RECORD_FUNCTION("sgl_cpu::rope_store", std::vector<c10::IValue>());
         if (rope_op_) rope_op_->call(qkv, cos, sin, num_q_, num_kv_, D, k_[l], v_[l], loc);
@@ -251,12 +263,13 @@ class DecoderStack : public torch::CustomClassHolder {
         if (T == 0) return x.new_empty({0, x.size(1)});
         o = o.index_select(0, *out_rows);
         x = x.index_select(0, *out_rows);
-        if (lora)
+        if (lora) {
           for (at::Tensor& m : lora->masks) m = m.index_select(0, *out_rows);
+          lora->slots = lora->slots.index_select(0, *out_rows);
+        }
       }
       o = o.reshape({T, -1});
-      if (lora) o = layer.linears[1](o) + lora->delta(l, 1, o);
-      else o = layer.linears[1](o);
+      o = lora ? lora->add_to(l, 1, o, layer.linears[1](o)) : layer.linears[1](o);
       {
         RECORD_FUNCTION("sgl_cpu::add_rms_norm", std::vector<c10::IValue>());
         h = add_norm(o, x, layer.post_norm);
@@ -267,12 +280,12 @@ class DecoderStack : public torch::CustomClassHolder {
         act = f.call(h, layer.linears[2].packed, layer.linears[2].out_features);
       } else {
         act = layer.linears[2](h);
-        if (lora) act = act + lora->delta(l, 2, h);
+        if (lora) act = lora->add_to(l, 2, h, act);
         RECORD_FUNCTION("sgl_cpu::silu_mul", std::vector<c10::IValue>());
         act = silu_op_ ? silu_op_->call(act) : silu_mul(act);
       }
       at::Tensor out = layer.linears[3](act);
-      if (lora) out = out + lora->delta(l, 3, act);
+      if (lora) out = lora->add_to(l, 3, act, out);
       {
         RECORD_FUNCTION("sgl_cpu::add_rms_norm", std::vector<c10::IValue>());
         h = add_norm(out, x, l + 1 < layers_.size() ? layers_[l + 1].input_norm : final_norm_);

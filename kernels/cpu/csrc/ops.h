@@ -4,6 +4,8 @@
 
 #include <ATen/ATen.h>
 
+#include <vector>
+
 namespace sgl_cpu {
 at::Tensor pack_int4(const at::Tensor& q, const at::Tensor& scale, const at::Tensor& zero);
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N);
@@ -19,4 +21,6 @@ void rope_store(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, i
                 int64_t num_kv, int64_t head_dim, at::Tensor& k_buf, at::Tensor& v_buf,
                 const at::Tensor& loc);
 at::Tensor silu_mul(const at::Tensor& gate_up);
+void lora_sgmv_(at::Tensor& y, const at::Tensor& x, const at::Tensor& slots, const at::Tensor& a,
+                const std::vector<at::Tensor>& bt, int64_t rank);
 }  // namespace sgl_cpu
