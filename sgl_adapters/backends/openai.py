@@ -76,7 +76,7 @@ class OpenAI:
                 self.usage.completion_tokens += usage.completion_tokens or 0
 
     def _kwargs(self, sp: SamplingArgs) -> dict[str, Any]:
-        kw: dict[str, Any] = {"model": self.model}
+        kw: dict[str, Any] = {"model": sp.lora or self.model}  # a LoRA adapter is a model
         for name in ("max_tokens", "temperature", "top_p", "frequency_penalty",
                      "presence_penalty"):
             if getattr(sp, name) is not None:

@@ -74,7 +74,8 @@ class RuntimeEndpoint:
         return self._lora[0]
 
     def _post(self, path: str, body: dict[str, Any]) -> Any:
-        if path == "/generate" and self.model and self.lora is not None:
+        if path == "/generate" and "lora_path" not in body and self.model \
+                and self.lora is not None:
             body = {**body, "lora_path": self.lora}
         try:
             r = self._http.post(path, json=body)
@@ -113,6 +114,8 @@ class RuntimeEndpoint:
     def _body(self, call: GenCall) -> dict[str, Any]:
         sp = call.sampling
         body: dict[str, Any] = {"text": call.text, "sampling_params": sp.native()}
+        if sp.lora is not None:  # gen(lora=...) wins over the backend's model
+            body["lora_path"] = sp.lora
         if sp.return_logprob:
             body.update(return_logprob=True, top_logprobs_num=sp.top_logprobs_num or 0)
         if call.images:
@@ -127,7 +130,7 @@ class RuntimeEndpoint:
     def generate_stream(self, call: GenCall) -> Iterator[str | GenResult]:
         """A streamed /generate: text deltas, then the GenResult. Raises BackendError."""
         body = {**self._body(call), "stream": True}
-        if self.model and self.lora is not None:
+        if "lora_path" not in body and self.model and self.lora is not None:
             body["lora_path"] = self.lora
         sent, last = 0, None
         try:

@@ -48,6 +48,7 @@ class SamplingArgs:
     ebnf: str | None = None
     return_logprob: bool | None = None
     top_logprobs_num: int | None = None
+    lora: str | None = None  # a served LoRA adapter's name (not a sampling parameter)
 
     def merged(self, defaults: SamplingArgs) -> SamplingArgs:
         """Fields set here win; unset ones come from ``defaults``."""
@@ -66,7 +67,7 @@ class SamplingArgs:
         out: dict[str, Any] = {}
         for f in fields(self):
             v = getattr(self, f.name)
-            if v is None or f.name in ("return_logprob", "top_logprobs_num"):
+            if v is None or f.name in ("return_logprob", "top_logprobs_num", "lora"):
                 continue
             if f.name == "max_tokens":
                 out["max_new_tokens"] = v
@@ -179,7 +180,8 @@ def gen(name: str | None = None, max_tokens: int | None = None,
         regex: str | None = None, json_schema: Any = None, choices: list[str] | None = None,
         dtype: type | None = None, return_logprob: bool | None = None,
         top_logprobs_num: int | None = None, ebnf: str | None = None,
-        substring_of: str | list[str] | None = None, max_words: int | None = None) -> Expr:
+        substring_of: str | list[str] | None = None, max_words: int | None = None,
+        lora: str | None = None) -> Expr:
     """Generate text into variable ``name`` (read it with ``s[name]``).
 
     ``regex``/``json_schema``/``ebnf`` constrain the output on the server (at most one);
@@ -187,7 +189,9 @@ def gen(name: str | None = None, max_tokens: int | None = None,
     one of them (grounded extraction: :func:`sgl_adapters.lang.grounding.substring_grammar`),
     of at most ``max_words`` words when given;
     ``dtype`` in int/float/bool/str constrains it and converts ``s[name]``; ``choices`` makes
-    this a :func:`select`. Raises ValueError for conflicting constraints or an unknown dtype.
+    this a :func:`select`. ``lora``: the LoRA adapter (served by name) that generates it: the
+    bundled server's ``lora_path``, an OpenAI endpoint's ``model``.
+    Raises ValueError for conflicting constraints or an unknown dtype.
     """
     if choices is not None:
         return select(name, choices, temperature=temperature or 0.0)
@@ -208,7 +212,7 @@ def gen(name: str | None = None, max_tokens: int | None = None,
         frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
         ignore_eos=ignore_eos, regex=regex if dtype is None else DTYPE_REGEX.get(dtype),
         json_schema=json_schema, ebnf=ebnf, return_logprob=return_logprob,
-        top_logprobs_num=top_logprobs_num)
+        top_logprobs_num=top_logprobs_num, lora=lora)
     if dtype is bool:
         return Select(name, DTYPE_CHOICES[bool], "token_length_normalized", 0.0, bool)
     return Gen(name, sampling, dtype)

@@ -46,6 +46,16 @@ def test_runtime_endpoint_runs_the_named_adapter(lora_server):
     texts = {lora: [_native(server.url, p, lora) for p in PROMPTS] for lora in ("a0", "a1", None)}
     assert texts["a0"] != texts[None] and texts["a1"] != texts[None]
 
+    @sgl.function
+    def two_adapters(s, prompt):  # gen(lora=...) picks the adapter per call
+        s += prompt + sgl.gen("x", max_tokens=6, temperature=0, lora="a1")
+        s += sgl.gen("y", max_tokens=6, temperature=0)
+
+    state = two_adapters.run(prompt=PROMPTS[0], backend=sgl.RuntimeEndpoint(server.url,
+                                                                             model="a0"))
+    assert state["x"] == texts["a1"][0]
+    assert state["y"] == _native(server.url, PROMPTS[0] + state["x"], "a0")
+
 
 def test_chat_sglang_on_an_adapter(lora_server):
     import openai

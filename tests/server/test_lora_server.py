@@ -101,8 +101,16 @@ def test_load_and_unload_at_run_time(lora_server):
     with server.client() as c:
         r = c.post("/load_lora_adapter", json={"lora_name": "bad", "lora_path": "/nonexistent"})
         assert r.status_code == 400 and "adapter_config.json" in r.json()["error"]["message"]
-        r = c.post("/load_lora_adapter", json={"lora_name": "a2", "lora_path": path})
-        assert r.status_code == 200 and r.json()["loaded_adapters"]["a2"] == path
+        # loaded while another adapter's request decodes: that request is not disturbed
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            running = pool.submit(_generate, c, PROMPTS[2], "a0", 300)
+            while not any(r["completion_tokens"] for r in server.server_info()["requests"]):
+                time.sleep(0.005)
+            r = c.post("/load_lora_adapter", json={"lora_name": "a2", "lora_path": path})
+            assert r.status_code == 200 and r.json()["loaded_adapters"]["a2"] == path
+            assert not running.done()  # the load happened mid-generation
+            during = running.result()["output_ids"]
+        assert during == _generate(c, PROMPTS[2], "a0", 300)["output_ids"]
         assert _generate(c, PROMPTS[0], "a2")["output_ids"] == _greedy(model, PROMPTS[0])
         # a fourth adapter: the three slots are full
         r = c.post("/load_lora_adapter", json={"lora_name": "a3", "lora_path": path})
