@@ -210,10 +210,11 @@ async def _generate_images(manager: TokenizerManager, image_data: Any, prompts: 
     return out
 
 
-async def admit_embedding(manager: TokenizerManager, given: Any, param: str
-                          ) -> list[GenerateInput]:
+async def admit_embedding(manager: TokenizerManager, given: Any, param: str,
+                          lora: str | None = None) -> list[GenerateInput]:
     """/v1/embeddings ``input`` or /encode ``text``/``input_ids`` (``param`` names it): one
-    prefill-only input per text, each must hold at least one token. Raises ApiError."""
+    prefill-only input per text, each must hold at least one token; ``lora``: a served
+    adapter computes them. Raises ApiError."""
     single = isinstance(given, str) or all(isinstance(p, int) for p in given)
     check_batch(manager, 1 if single else len(given), param)
     inputs = []
@@ -225,7 +226,7 @@ async def admit_embedding(manager: TokenizerManager, given: Any, param: str
         if len(ids) > manager.info.context_len:
             raise ApiError(400, f"{where} has {len(ids)} tokens; the context length is "
                            f"{manager.info.context_len}", param=param)
-        inp = GenerateInput(ids, SamplingParams(max_new_tokens=0), embed=True)
+        inp = GenerateInput(ids, SamplingParams(max_new_tokens=0), embed=True, lora=lora)
         manager.validate(inp, {"input_ids": param})
         inputs.append(inp)
     return inputs

@@ -27,7 +27,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 
-from server.http.admission import admit_embedding
+from server.http.admission import admit_embedding, lora_of_model
 from server.http.body import body_of
 from server.http.errors import ApiError
 from server.http.responses import collect, manager_of
@@ -71,7 +71,8 @@ async def embeddings(request: Request, body: EmbeddingRequest = Depends(body_of(
     if body.dimensions is not None and body.dimensions != size:
         raise ApiError(400, f"this model's embeddings have {size} dimensions and cannot be "
                        f"shortened to {body.dimensions}", param="dimensions")
-    finals = await _embed(request, await admit_embedding(manager, body.input, "input"))
+    finals = await _embed(request, await admit_embedding(
+        manager, body.input, "input", lora_of_model(manager, body.model)))
 
     def encode(vector: list[float]) -> list[float] | str:
         if body.encoding_format == "float":

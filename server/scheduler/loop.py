@@ -95,6 +95,9 @@ class SchedulerLoop:
         try:
             if isinstance(msg, P.LoadLoraReq):
                 engine.load_lora(msg.name, msg.path)
+            elif any(parked[0].lora == msg.name for parked in self.preparing.values()):
+                raise LoraBusyError(f"adapter {msg.name!r} has requests in flight; unload it "
+                                    "when they finish")  # parked for a grammar or images
             else:
                 engine.unload_lora(msg.name)
             message = ""

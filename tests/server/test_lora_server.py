@@ -70,6 +70,14 @@ def test_models_lists_adapters_and_openai_client_picks_them(lora_server):
                                        messages=[{"role": "user", "content": "hi"}])
 
 
+def test_embeddings_on_an_adapter(lora_server):
+    server, _, _ = lora_server
+    with server.client() as c:
+        vec = {m: c.post("/v1/embeddings", json={"input": "a red fox", "model": m}).json()
+               ["data"][0]["embedding"] for m in ("base", "a0", "a1")}
+    assert vec["a0"] != vec["base"] and vec["a1"] != vec["a0"]
+
+
 def test_unknown_lora_path_is_a_404_and_changes_nothing(lora_server):
     server, _, _ = lora_server
     with server.client() as c:
