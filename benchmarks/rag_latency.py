@@ -1,6 +1,7 @@
 """Question latency of the main job's sgl pipeline under concurrency: mixed chunks on vs off.
 
     python -m benchmarks.rag_latency [--n 40] [--threads 16] [--configs mixed,prefill-first]
+        [--configs overloaded,overloaded-fcfs]
 
 Each question is one program of ``examples.rag.pipelines.run_sgl`` (a prefix, three forked
 24-token notes, then a grounded answer or a yes/no select: ~6 requests in three phases), run
@@ -8,6 +9,11 @@ on its own thread, ``--threads`` at once (the first wave starts together, later 
 as threads free up), greedy, against one server per config started fresh (same questions, same
 order). Reports the time to the first finished question, p50/p90/max question latency (its
 program's wall time), the first wave's p50 and the total wall time.
+
+``overloaded`` / ``overloaded-fcfs``: at most 4 requests run at once, so calls wait; the
+interpreter sends each call's position in its program as its priority, and the server admits
+a program's later calls before new programs' first calls (or, with
+``--disable-priority-scheduling``, in the policy's order): programs finish sooner.
 
 Why: with prefill-first batching a steady stream of prompts (other programs' calls) holds running
 requests back: in a trace of 40 questions, 24-token notes admitted at once took 16-19 s to
@@ -28,7 +34,11 @@ from examples.rag import pipelines
 from examples.rag.data import load, mixed
 from examples.rag.retrieval import Retriever
 
-CONFIGS = {"mixed": {}, "prefill-first": {"disable_mixed_chunk": True}}
+CONFIGS = {"mixed": {}, "prefill-first": {"disable_mixed_chunk": True},
+           # more calls in flight than the server runs at once: the waiting queue's order
+           # decides (a program's later calls first, or arrival order)
+           "overloaded": {"max_running_requests": 4},
+           "overloaded-fcfs": {"max_running_requests": 4, "disable_priority_scheduling": True}}
 
 
 def run(config: dict, questions, retriever: Retriever, threads: int) -> dict[str, float]:

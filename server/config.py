@@ -67,15 +67,12 @@ class ModelConfig:
             float checkpoints unchanged), "none" (dequantize to ``dtype``), "int4" or "int8"
             (quantize every linear weight and the token embedding). CPU only: on CUDA
             :func:`server.resolve.resolve` makes "auto" "none" and refuses "int4"/"int8".
-        deterministic_inference: every kernel a pass runs computes a row the same whatever
-            else is in the pass, so batch shape, chunk boundaries, cache hits and verify passes
-            never change a token or logprob. The default already is on CPUs without native
-            bf16 with quantized weights (the native int4/int8 kernels and attention); on the
-            bf16 classes (AVX512-BF16, AMX) this turns off the dense bf16 weight copies that
-            speed up long extends. Dense weights (float checkpoints, quantization "none") still
-            run torch's matmuls, which are not invariant (float32 ``F.linear`` rounds 1-5 rows
-            differently from 64). Refused on CUDA, with torch_compile and with tp_size > 1,
-            whose kernels are not known to be invariant.
+        deterministic_inference: every kernel computes a row the same whatever else is in the
+            pass (batch shape, chunks, cache hits and drafts never change a token). The default
+            already is on CPUs without native bf16 with quantized weights; on the bf16 classes
+            this turns off the dense bf16 weight copies of long extends. Dense weights still run
+            torch's matmuls, which are not invariant (float32 ``F.linear`` rounds 1-5 rows
+            differently from 64). Refused on CUDA, with torch_compile and tp_size > 1.
         cpu_threads: intra-op threads of a CPU forward pass. 0 (default): every core this
             process may use, one fewer while other processes preempt its passes
             (:mod:`server.model.cpu_threads`); N: always N. Not with tensor parallelism (each
@@ -182,21 +179,21 @@ class ModelConfig:
     @property
     def torch_dtype(self) -> "torch.dtype":  # noqa: F821 - torch is imported lazily
         """The compute dtype; only valid after :func:`server.resolve.resolve` (dtype != "auto")."""
-        if self.dtype == "auto":
-            raise ConfigError("dtype 'auto' must be resolved first (server.resolve.resolve)")
-        import torch
-
-        return getattr(torch, DTYPE_NAMES[self.dtype])
+        return _torch_dtype("dtype", self.dtype)
 
     @property
     def torch_kv_dtype(self) -> "torch.dtype":  # noqa: F821 - torch is imported lazily
-        """The KV pool's dtype; only valid after :func:`server.resolve.resolve` (kv_cache_dtype != "auto")."""
-        if self.kv_cache_dtype == "auto":
-            raise ConfigError("kv_cache_dtype 'auto' must be resolved first "
-                              "(server.resolve.resolve)")
-        import torch
+        """The KV pool's dtype; only valid after :func:`server.resolve.resolve`."""
+        return _torch_dtype("kv_cache_dtype", self.kv_cache_dtype)
 
-        return getattr(torch, DTYPE_NAMES[self.kv_cache_dtype])
+
+def _torch_dtype(field: str, value: str) -> "torch.dtype":  # noqa: F821 - imported lazily
+    """torch's dtype named by a resolved dtype option. Raises ConfigError for "auto"."""
+    if value == "auto":
+        raise ConfigError(f"{field} 'auto' must be resolved first (server.resolve.resolve)")
+    import torch
+
+    return getattr(torch, DTYPE_NAMES[value])
 
 
 @dataclass(frozen=True)
@@ -272,6 +269,8 @@ class SchedulerConfig:
         mixed_chunk: extend batches also carry one decode token of every running request
             (decoding never waits behind arriving prompts); False = prefill-first, decode only
             when no prompt is waiting.
+        priority: the waiting queue by request priority first (a program's later calls before
+            new programs' first calls), the policy within one; the starvation bound holds.
         speculative_ngram: draft up to this many tokens per step from the sequence's own
             earlier n-grams (prompt lookup, :mod:`server.scheduler.ngram`), verified like
             jump-forward drafts and kept only where the verify pass pays
@@ -297,6 +296,9 @@ class SchedulerConfig:
     mixed_chunk: bool = option(
         True, "--disable-mixed-chunk", "prefill-first batches: running requests decode only "
         "when no prompt is waiting (default: every extend batch also decodes them)", invert=True)
+    priority: bool = option(
+        True, "--disable-priority-scheduling", "ignore requests' priority (default: the native "
+        "API's higher / the OpenAI API's lower priority first)", invert=True)
     speculative_ngram: int | None = option(
         None, "--speculative-ngram", "prompt-lookup speculative decoding: draft up to this many "
         "tokens from the sequence's earlier n-grams and verify them in one pass where measured "

@@ -238,7 +238,7 @@ class Engine:
                      cache_salt: str | None = None, reasoning: Any = None,
                      images: Sequence[tuple[int, int, bytes]] = (),
                      pixels: Sequence[torch.Tensor] | None = None, embed: bool = False,
-                     lora: str | None = None) -> Req:
+                     lora: str | None = None, priority: int = 0) -> Req:
         """Tokenize and wrap one prompt (str or token ids) as a scheduler request.
 
         ``cache_salt`` puts the request in its own radix-cache namespace: it shares cached KV
@@ -250,7 +250,8 @@ class Engine:
         here. ``embed``: an embedding request (``params.max_new_tokens`` must be 0): it
         finishes after its prefill with ``Req.embedding`` set; an embedding-only model
         (``arch.embedding_only``) takes nothing else. ``lora``: the served LoRA adapter to run
-        with (:meth:`load_lora`; its KV is cached apart). Raises GrammarError for a
+        with (:meth:`load_lora`; its KV is cached apart); ``priority``: higher is admitted
+        first (``SchedulerConfig.priority``). Raises GrammarError for a
         constraint that does not compile, InvalidRequestError for images a model cannot
         take or an adapter not loaded (status 404)."""
         if embed and params.max_new_tokens:
@@ -275,7 +276,7 @@ class Engine:
         return Req(rid=rid or uuid.uuid4().hex, input_ids=ids, params=params,
                    eos_ids=self.eos_ids, logprobs=logprobs, namespace=cache_salt,
                    grammar=grammar, images=image_inputs, embed=embed,
-                   lora_slot=-1 if adapter is None else adapter.slot)
+                   lora_slot=-1 if adapter is None else adapter.slot, priority=priority)
 
     # ---------------------------------------------------------------- generation
     def generate(self, prompt: Prompt | Sequence[Prompt] | None = None,

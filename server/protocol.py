@@ -59,6 +59,7 @@ class GenerateReq(msgspec.Struct, tag=True):
     images: list[ImagePart] = []
     embed: bool = False  # an embedding request: prefill only (max_new_tokens 0), its vector back
     lora: str | None = None  # the LoRA adapter's name (server.model.lora); None: the base model
+    priority: int = 0  # higher is admitted first (SGLang's sign), within the starvation bound
 
 
 class AbortReq(msgspec.Struct, tag=True):

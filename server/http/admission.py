@@ -53,7 +53,7 @@ async def admit_completion(manager: TokenizerManager, body: CompletionRequest
                 ids, _params(body, max_tokens, j), return_logprob=want_lp,
                 logprob_start_len=0 if (want_lp and body.echo) else -1,
                 top_logprobs_num=body.logprobs or 0, max_tokens_given=given is not None,
-                lora=lora_of_model(manager, body.model)))
+                lora=lora_of_model(manager, body.model), priority=-body.priority))
     for inp in inputs:  # every choice is checked before any is sent
         manager.validate(inp, COMPLETION_NAMES)
     return prompts, inputs
@@ -93,7 +93,7 @@ async def admit_chat(manager: TokenizerManager, body: ChatCompletionRequest
     inputs = [GenerateInput(ids, _params(body, max_tokens, j, constraint),
                             return_logprob=body.logprobs, top_logprobs_num=body.top_logprobs or 0,
                             reasoning_state=state, images=image_parts, max_tokens_given=given,
-                            lora=lora_of_model(manager, body.model))
+                            lora=lora_of_model(manager, body.model), priority=-body.priority)
               for j in range(body.n)]
     for inp in inputs:
         manager.validate(inp, CHAT_NAMES)
@@ -343,7 +343,8 @@ async def admit_generate(manager: TokenizerManager, body: GenerateRequest
                            "with image_data", param="logprob_start_len")
         inputs.append(GenerateInput(ids, params, body.return_logprob, body.logprob_start_len,
                                     body.top_logprobs_num, rid, body.cache_salt, state,
-                                    image_parts, lora=lora_of_path(manager, loras[k])))
+                                    image_parts, lora=lora_of_path(manager, loras[k]),
+                                    priority=body.priority))
     for inp in inputs:
         manager.validate(inp)
     return inputs, single

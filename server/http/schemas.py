@@ -95,6 +95,7 @@ class _OpenAISampling(RequestBody):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
+    priority: int = Field(0, ge=-2 ** 31, lt=2 ** 31)  # vLLM's: lower is admitted first
     n: int = Field(1, ge=1, le=64)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -188,6 +189,7 @@ class GenerateRequest(RequestBody):
     # SGLang's: a served LoRA adapter's name (or the path it was loaded from), per prompt in
     # a batch; None: the base model
     lora_path: str | list[str | None] | None = None
+    priority: int = Field(0, ge=-2 ** 31, lt=2 ** 31)  # SGLang's: higher is admitted first
 
 
 class LoadLoraAdapterRequest(RequestBody):

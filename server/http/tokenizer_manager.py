@@ -50,9 +50,8 @@ class GenerateInput:
     top_logprobs_num: int = 0
     rid: str | None = None
     namespace: str | None = None
-    # where the output starts when the server splits reasoning (server.reasoning): "maybe",
-    # "reasoning" or "off"; None = the text is not split
-    reasoning_state: str | None = None
+    # where the output starts when reasoning is split (server.reasoning): "maybe", "reasoning"
+    reasoning_state: str | None = None  # or "off"; None = the text is not split
     # (offset, radix key, encoded bytes) per image, ids already expanded (server.multimodal)
     images: list[tuple[int, int, bytes]] = field(default_factory=list)
     # False when the client gave no max_tokens and params.max_new_tokens is the rest of the
@@ -60,6 +59,7 @@ class GenerateInput:
     max_tokens_given: bool = True
     embed: bool = False  # an embedding request (params.max_new_tokens 0): the vector comes back
     lora: str | None = None  # a served LoRA adapter's name (server.http.lora_routes)
+    priority: int = 0  # higher is admitted first (SGLang's sign)
 
 
 @dataclass
@@ -328,7 +328,7 @@ class TokenizerManager:
                 top_logprobs_num=inp.top_logprobs_num, namespace=inp.namespace,
                 reasoning=self._gate(inp),
                 images=[P.ImagePart(o, k, d) for o, k, d in inp.images], embed=inp.embed,
-                lora=inp.lora)))
+                lora=inp.lora, priority=inp.priority)))
             first = True
             pending: collections.deque = collections.deque()
             text = OutputText(self.tokenizer, inp.input_ids, inp.params.stop,

@@ -156,7 +156,7 @@ class SchedulerLoop:
                                                       msg.top_logprobs_num),
                 rid=msg.rid, cache_salt=msg.namespace, reasoning=msg.reasoning,
                 images=[(im.offset, im.key, im.data) for im in msg.images], pixels=pixels,
-                embed=msg.embed, lora=msg.lora)
+                embed=msg.embed, lora=msg.lora, priority=msg.priority)
             self.engine.scheduler.add_request(req)
         except _REFUSED as exc:
             return self._refuse(msg.rid, exc)

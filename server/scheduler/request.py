@@ -77,6 +77,7 @@ class Req:
     status: ReqStatus = ReqStatus.WAITING
     namespace: Any = None  # radix-cache namespace (e.g. a cache salt)
     lora_slot: int = -1  # the LoRA adapter's slot in the runner (server.model.lora); -1: none
+    priority: int = 0  # higher is admitted first (SchedulerConfig.priority)
     computed_len: int = 0
     images: tuple[ImageInput, ...] = ()  # multimodal: where each image's vectors go
     cached_tokens: int = 0  # prompt tokens reused from the cache at first admission

@@ -1,8 +1,10 @@
 """Which waiting requests an extend step tries to admit, and in what order.
 
-* :class:`WaitingOrder`: the policy's order (:mod:`server.scheduler.policy`) behind the
-  starvation bound: a request passed over by later arrivals in ``starvation_limit_steps``
-  steps goes first, oldest first (:meth:`WaitingOrder.passed_over` counts those steps).
+* :class:`WaitingOrder`: the policy's order (:mod:`server.scheduler.policy`) within each
+  request priority, higher first (``SchedulerConfig.priority``: a program's later calls carry
+  a higher one than new programs' first calls), behind the starvation bound: a request passed
+  over by later arrivals in ``starvation_limit_steps`` steps goes first, oldest first
+  (:meth:`WaitingOrder.passed_over` counts those steps).
 * :class:`StepSharing`: SGLang's in-batch prefix caching check. A request whose *uncached* part
   shares at least ``IN_BATCH_SHARE_THRESHOLD`` tokens with what this step already prefills is
   deferred one step, so it reuses that KV from the cache instead of computing it a second time.
@@ -36,15 +38,19 @@ class WaitingOrder:
         self.config, self.cache, self.rng = config, cache, rng
 
     def order(self, waiting: Iterable[Req]) -> list[Req]:
-        """Starving requests (by arrival), then the rest in the policy's order."""
+        """Starving requests (by arrival), then the rest by priority, in the policy's order
+        within one."""
         limit = self.config.starvation_limit_steps
         waiting = list(waiting)
         starving = sorted((r for r in waiting if r.passed_steps >= limit),
                           key=lambda r: r.arrival_time)
-        rest = [r for r in waiting if r.passed_steps < limit]
-        return starving + policy.order(
-            self.config.schedule_policy, rest, rng=self.rng, prefix_info=self.cache.match,
+        rest = policy.order(
+            self.config.schedule_policy, [r for r in waiting if r.passed_steps < limit],
+            rng=self.rng, prefix_info=self.cache.match,
             max_cache_aware_queue=self.config.max_cache_aware_queue)
+        if self.config.priority:
+            rest.sort(key=lambda r: -r.priority)  # stable: the policy's order within one
+        return starving + rest
 
     @staticmethod
     def passed_over(waiting: Iterable[Req], admitted: Sequence[Req]) -> None:

@@ -26,13 +26,16 @@ class GenCall:
     """One generation request. ``text`` is the whole prompt so far (the server's radix cache
     finds the shared prefix); ``messages`` is the same prompt as chat turns for chat-only
     endpoints; ``images`` are the images appended so far; ``assistant_prefix`` is the text of
-    the open assistant turn before this gen (None outside an assistant turn)."""
+    the open assistant turn before this gen (None outside an assistant turn); ``priority``:
+    how many calls its program made before it (a server that schedules by priority admits a
+    program's later calls before new programs' first ones, finishing programs sooner)."""
 
     text: str
     sampling: SamplingArgs
     messages: tuple[dict[str, str], ...] = ()
     images: tuple[Any, ...] = ()
     assistant_prefix: str | None = None
+    priority: int = 0
 
 
 @dataclass

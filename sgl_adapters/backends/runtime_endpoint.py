@@ -116,6 +116,8 @@ class RuntimeEndpoint:
         body: dict[str, Any] = {"text": call.text, "sampling_params": sp.native()}
         if sp.lora is not None:  # gen(lora=...) wins over the backend's model
             body["lora_path"] = sp.lora
+        if call.priority:  # the program's later calls first (the server's priority order)
+            body["priority"] = call.priority
         if sp.return_logprob:
             body.update(return_logprob=True, top_logprobs_num=sp.top_logprobs_num or 0)
         if call.images:
@@ -159,15 +161,15 @@ class RuntimeEndpoint:
         """SGLang's select: the prompt is prefilled once (cached), then every ``call.text +
         choice`` is scored by prefill-only prompt logprobs over the choice's tokens, and
         :func:`sgl_adapters.lang.choices.choose` picks by ``method``. Raises BackendError."""
-        prompt = self._post("/generate", {"text": call.text,
+        prompt = self._post("/generate", {"text": call.text, "priority": call.priority,
                                           "sampling_params": {"max_new_tokens": 0}})
         start = max(prompt["meta_info"]["prompt_tokens"] - BOUNDARY_TOKENS, 0)
-        scored = self._score([call.text + c for c in choices], start)
+        scored = self._score([call.text + c for c in choices], start, call.priority)
         logprobs = [lp[-choice_token_count([t for _, _, t in e], c):]
                     for lp, e, c in zip(*scored, choices)]
         unconditional = None
         if method == "unconditional_likelihood_normalized":
-            alone = self._score(list(choices), 0)
+            alone = self._score(list(choices), 0, call.priority)
             unconditional = [[x for x in lp if x is not None] for lp in alone[0]]
         index, scores = choose(method, [[x for x in lp if x is not None] for lp in logprobs],
                                unconditional, temperature)
@@ -179,10 +181,12 @@ class RuntimeEndpoint:
             meta["unconditional_token_logprobs"] = unconditional
         return SelectResult(choices[index], meta)
 
-    def _score(self, texts: list[str], start: int) -> tuple[list[list[float | None]], list[list]]:
+    def _score(self, texts: list[str], start: int, priority: int = 0
+               ) -> tuple[list[list[float | None]], list[list]]:
         """Prompt logprobs from position ``start`` of each text: (logprobs, [lp, id, text])."""
         outs = self._post("/generate", {
             "text": texts, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
+            "priority": priority,
             "logprob_start_len": start, "return_text_in_logprobs": True})
         entries = [o["meta_info"]["input_token_logprobs"] for o in outs]
         return [[lp for lp, _, _ in e] for e in entries], entries

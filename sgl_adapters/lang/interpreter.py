@@ -58,6 +58,7 @@ class StreamExecutor:
         self.spec_ended = False  # the buffer ends where the model ended (EOS)
         self.finished = False  # the program will submit nothing more
         self.children: list[StreamExecutor] = []  # forks, ended with this stream
+        self.calls = 0  # gen/select calls this program made (forks count their parent's)
         self._pending = 0
         self._cond = threading.Condition()
         self._queue: queue.Queue = queue.Queue()
@@ -173,7 +174,9 @@ class StreamExecutor:
 
     def _call(self, sampling: ir.SamplingArgs) -> GenCall:
         prefix = self.text[self.role_start:] if self.role == "assistant" else None
-        return GenCall(self.text, sampling, tuple(self.messages), tuple(self.images), prefix)
+        self.calls += 1
+        return GenCall(self.text, sampling, tuple(self.messages), tuple(self.images), prefix,
+                       priority=self.calls - 1)
 
     def _gen(self, expr: ir.Gen) -> None:
         sampling = expr.sampling.merged(self.defaults)
@@ -239,7 +242,7 @@ class StreamExecutor:
         child = StreamExecutor(self.backend, self.defaults, self.stream, self.num_api_spec_tokens)
         child.text, child.messages, child.images = self.text, list(self.messages), list(self.images)
         child.variables, child.meta_info = dict(self.variables), dict(self.meta_info)
-        child.role, child.role_start = self.role, self.role_start
+        child.role, child.role_start, child.calls = self.role, self.role_start, self.calls
         self.children.append(child)
         return child
 
@@ -390,6 +393,8 @@ class ProgramStateGroup(StateGroup):
                     parent.meta_info[n] = [s._ex.meta_info.get(n) for s in self.states]
             else:
                 parent.text += "".join(s._ex.text[self._start[id(s)][0]:] for s in self.states)
+            # the parent's next call comes after its forks' calls (GenCall.priority)
+            parent.calls = max([parent.calls, *(s._ex.calls for s in self.states)])
             parent._cond.notify_all()
         for s in self.states:
             s._ex.end()

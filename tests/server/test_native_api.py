@@ -244,3 +244,16 @@ def test_sglang_frontend_sampling_fields_are_accepted(tiny_server):
         r = c.post("/generate", json={"text": "Hello", "sampling_params": {
             **sp, "stop_regex": "(unclosed"}})
         assert r.status_code == 400 and "stop_regex" in r.text
+
+
+def test_priority_is_taken_on_both_apis(c):
+    """SGLang's /generate ``priority`` (higher first) and vLLM's OpenAI ``priority`` (lower
+    first) are accepted (the order itself: tests/unit/test_scheduler.py); not an int: 400."""
+    body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+    plain = c.post("/generate", json=body).json()["output_ids"]
+    assert c.post("/generate", json={**body, "priority": 7}).json()["output_ids"] == plain
+    r = c.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 2,
+                                        "temperature": 0, "priority": -3})
+    assert r.status_code == 200
+    r = c.post("/generate", json={**body, "priority": "high"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "priority"

@@ -297,3 +297,24 @@ def test_api_speculation_in_the_interpreter():
     backend = EchoBackend("Bob\nHeight: 2")  # the model left the template: fall back
     s = extract.run(backend=backend)
     assert s["name"] == "Bob" and len(backend.calls) == 2
+
+
+def test_each_call_carries_how_many_calls_its_program_made_before():
+    """GenCall.priority counts a program's earlier gen/select calls (forks continue their
+    parent's count, and the parent continues after theirs), so a server scheduling by
+    priority admits a program's later calls before new programs' first ones."""
+    backend = EchoBackend()
+
+    @sgl.function
+    def program(s):
+        s += "Q:" + sgl.gen("a", max_tokens=2)
+        s += sgl.gen("b", max_tokens=2)
+        forks = s.fork(2)
+        for f in forks:
+            f += sgl.gen("c", max_tokens=2)
+        forks.join()
+        s += sgl.gen("d", max_tokens=2)
+
+    program.run(backend=backend)
+    assert sorted(c.priority for c in backend.calls) == [0, 1, 2, 2, 3]
+    assert backend.calls[0].priority == 0 and backend.calls[-1].priority == 3

@@ -362,6 +362,41 @@ def test_starvation_bound():
     assert order.index("loner") == 3  # passed exactly 3 times
 
 
+@pytest.mark.parametrize("policy", ["lpm", "fcfs"])
+def test_higher_priority_first_within_the_starvation_bound(policy):
+    """A program's later calls (higher priority) are admitted before new programs' first calls
+    that arrived earlier; the policy orders each priority; a low-priority request is passed
+    at most starvation_limit_steps times; with priority off, arrival (the policy) decides."""
+    sched, runner = make(schedule_policy=policy, max_running_requests=1)
+    first = [req(f"new{i}", [10 + i, 11, 12], 1) for i in range(3)]
+    later = [req(f"next{i}", [40 + i, 41, 42], 1) for i in range(2)]
+    for r in later:
+        r.priority = 1
+    for r in first + later:
+        sched.add_request(r)
+    assert finish_order(sched, runner) == ["next0", "next1", "new0", "new1", "new2"]
+
+    sched, runner = make(schedule_policy=policy, max_running_requests=1, priority=False)
+    for r in [req("a", [1, 2], 1), req("b", [3, 4], 1)]:
+        r.priority = 5 if r.rid == "b" else 0
+        sched.add_request(r)
+    assert finish_order(sched, runner) == ["a", "b"]
+
+    sched, runner = make(schedule_policy=policy, max_running_requests=1,
+                         starvation_limit_steps=3)
+    low = req("low", [90, 91], 1)
+    sched.add_request(low)
+    order = []
+    for i in range(6):  # a steady stream of higher-priority calls arriving after it
+        r = req(f"hi{i}", [60 + i, 61], 1)
+        r.priority = 1
+        sched.add_request(r)
+        b = sched.step()
+        order += [d.rid for d in sched.update(b, runner.forward(b)) if d.finish_reason]
+    order += finish_order(sched, runner)
+    assert order.index("low") == 3  # passed exactly 3 times, then admitted
+
+
 def test_dfs_weight_groups_requests_by_subtree():
     sched, runner = make(schedule_policy="dfs_weight", max_running_requests=1)
     _finish_one(sched, runner, req("warm-a", [1, 2, 3, 4, 5], 1))
