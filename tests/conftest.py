@@ -3,10 +3,17 @@ directories with the default model's tokenizer, and the embedded default model."
 
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 import pytest
 import torch
+
+# Without a GPU the Triton kernels run in Triton's interpreter (tests/kernels). The variable must
+# be set before anything imports triton: peft (the LoRA tests' reference) imports it too, and a
+# triton imported without it leaves the interpreter half-enabled for the kernel tests after.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from server.model.loader import default_model_path, load_model
 from tests.helpers import LORA_TARGETS, make_adapter, tiny_config
