@@ -81,8 +81,8 @@ class LoraRegistry:
         requests) use it."""
         entry = self.loaded[name]
         if entry.slot in set(busy_slots):
-            raise LoraBusyError(f"adapter {name!r} has requests in flight; unload it when they "
-                            "finish")
+            raise LoraBusyError(f"adapter {name!r} has requests in flight; unload it when "
+                                "they finish")
         del self.loaded[name]
         self.weights.clear(entry.slot)
 
