@@ -63,6 +63,7 @@ class LoraWeights:
         self.used: set[int] = set()
         self.packed: dict[tuple[int, str], tuple[torch.Tensor, list[torch.Tensor]]] = {}
         self.packed_slots = 0  # "packed" copies cover slots [0, packed_slots)
+        self._stale = False  # slots changed since the copies were made
         # LoraBatch.native_args's tensor lists, by (lo, hi, mode); emptied by _repack
         self.flat: dict[tuple[int, int, str], list[torch.Tensor]] = {}
         cpu = torch.device(device).type == "cpu"
@@ -110,7 +111,7 @@ class LoraWeights:
                 p.bt[k][slot * R:slot * R + r] = \
                     part.b[first - part.offset:first - part.offset + rows].t().to(self.dtype)
         self.used.add(slot)
-        self._repack()
+        self._stale = True
 
     def clear(self, slot: int) -> None:
         """Zero ``slot``'s factors (an unloaded adapter)."""
@@ -122,7 +123,15 @@ class LoraWeights:
                 for bt in p.bt:
                     bt[slot * R:(slot + 1) * R] = 0
         self.used.discard(slot)
-        self._repack()
+        self._stale = True
+
+    def ensure_packed(self) -> int:
+        """``packed_slots``, the reordered copies first brought up to date when slots changed
+        since they were made (once, at the first pass after any number of loads)."""
+        if self._stale:
+            self._stale = False
+            self._repack()
+        return self.packed_slots
 
     def _repack(self) -> None:
         """Reorder the factors of slots [0, highest used + 1) for oneDNN (bf16 CPU only)."""
@@ -167,7 +176,7 @@ class LoraBatch:
         used = slots[slots >= 0]
         if used.numel() == 0:
             return None
-        lo, hi, n = int(used.min()), int(used.max()) + 1, weights.packed_slots
+        lo, hi, n = int(used.min()), int(used.max()) + 1, weights.ensure_packed()
         if weights.sgmv and slots.numel() <= SGMV_MAX_ROWS:
             return cls(weights, slots.contiguous(), lo, hi, "sgmv")
         if n and hi <= n and 2 * (hi - lo) >= n:  # the reordered matmul reads the other

@@ -28,6 +28,9 @@ from sgl_adapters.lang.choices import choice_token_count, choose
 BOUNDARY_TOKENS = 8
 
 
+_UNRESOLVED = object()  # RuntimeEndpoint.lora not looked up yet
+
+
 class RuntimeEndpoint:
     """Backend for the bundled server at ``base_url`` (e.g. ``http://127.0.0.1:30000``).
 
@@ -46,37 +49,43 @@ class RuntimeEndpoint:
     def __init__(self, base_url: str = "http://127.0.0.1:30000", api_key: str | None = None,
                  timeout: float = 600.0, model: str | None = None):
         self.base_url, self.model = base_url.rstrip("/"), model
-        self._lora: list[str | None] = []  # [the adapter] once resolved
+        self._lora: Any = _UNRESOLVED  # the adapter's name (or None) once looked up
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout)
         self._template: ChatTemplate | None = None
         self._model_info: dict[str, Any] | None = None
 
     # -- HTTP ----------------------------------------------------------------------------------
+    def _get(self, path: str) -> Any:
+        """GET ``path``'s JSON. Raises BackendError."""
+        try:
+            r = self._http.get(path)
+        except httpx.HTTPError as exc:
+            raise BackendError(f"cannot reach {self.base_url}: {exc}") from exc
+        if r.status_code != 200:
+            raise BackendError(_error_message(r), r.status_code)
+        return r.json()
+
     @property
     def lora(self) -> str | None:
         """The LoRA adapter ``model`` names on the server (looked up in ``GET /v1/models``
         once), or None for the base model. Raises BackendError."""
-        if not self._lora:
-            name = None
-            if self.model:
-                try:
-                    r = self._http.get("/v1/models")
-                except httpx.HTTPError as exc:
-                    raise BackendError(f"cannot reach {self.base_url}: {exc}") from exc
-                if r.status_code != 200:
-                    raise BackendError(_error_message(r), r.status_code)
-                adapters = {m["id"] for m in r.json()["data"] if m.get("parent")}
-                tail = self.model.rpartition(":")[2]
-                name = self.model if self.model in adapters else (
-                    tail if ":" in self.model and tail in adapters else None)
-            self._lora.append(name)
-        return self._lora[0]
+        if self._lora is _UNRESOLVED:
+            adapters = ({m["id"] for m in self._get("/v1/models")["data"] if m.get("parent")}
+                        if self.model else set())
+            tail = (self.model or "").rpartition(":")[2]
+            self._lora = self.model if self.model in adapters else (
+                tail if ":" in (self.model or "") and tail in adapters else None)
+        return self._lora
+
+    def _with_lora(self, body: dict[str, Any]) -> dict[str, Any]:
+        """A /generate body on ``model``'s adapter, unless it names one itself."""
+        if "lora_path" in body or not self.model or self.lora is None:
+            return body
+        return {**body, "lora_path": self.lora}
 
     def _post(self, path: str, body: dict[str, Any]) -> Any:
-        if path == "/generate" and "lora_path" not in body and self.model \
-                and self.lora is not None:
-            body = {**body, "lora_path": self.lora}
+        body = self._with_lora(body) if path == "/generate" else body
         try:
             r = self._http.post(path, json=body)
         except httpx.HTTPError as exc:
@@ -88,13 +97,7 @@ class RuntimeEndpoint:
     def get_model_info(self) -> dict[str, Any]:
         """The server's /get_model_info, fetched once. Raises BackendError."""
         if self._model_info is None:
-            try:
-                r = self._http.get("/get_model_info")
-            except httpx.HTTPError as exc:
-                raise BackendError(f"cannot reach {self.base_url}: {exc}") from exc
-            if r.status_code != 200:
-                raise BackendError(_error_message(r), r.status_code)
-            self._model_info = r.json()
+            self._model_info = self._get("/get_model_info")
         return self._model_info
 
     @property
@@ -131,9 +134,7 @@ class RuntimeEndpoint:
 
     def generate_stream(self, call: GenCall) -> Iterator[str | GenResult]:
         """A streamed /generate: text deltas, then the GenResult. Raises BackendError."""
-        body = {**self._body(call), "stream": True}
-        if "lora_path" not in body and self.model and self.lora is not None:
-            body["lora_path"] = self.lora
+        body = self._with_lora({**self._body(call), "stream": True})
         sent, last = 0, None
         try:
             with self._http.stream("POST", "/generate", json=body) as r:

@@ -74,7 +74,8 @@ def test_lora_adapters_in_one_native_call_equal_the_python_loop(make_tiny_model,
                 for o in engine.run(reqs)]
 
     stack, weights = model.native_stack, engine.runner.lora
-    modes = [(True, weights.packed_slots), (False, weights.packed_slots), (False, 0)]
+    packed = weights.ensure_packed()
+    modes = [(True, packed), (False, packed), (False, 0)]
     for sgmv, packed in modes:  # the per-row kernel (decode), reordered, plain matmuls
         weights.sgmv, weights.packed_slots = sgmv, packed
         stacked = results()
