@@ -24,7 +24,6 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
-from kernels.cpu_features import at_least, native_bf16
 from server.cache.kv_pool import TokenKVPool
 from server.cache.manager import CacheManager
 from server.cache.radix_tree import RadixCache
@@ -36,10 +35,10 @@ from server.constrained.reasoning_gate import ReasoningGatedMatcher
 from server.constrained.spec import make_spec
 from server.detokenizer import OutputText, StopRegexTimeout
 from server.images import EngineImages
+from server.model.build import build_runner, encoder_config
 from server.model.loader import load_model
 from server.model.lora_files import LoraError
 from server.model.lora_registry import LoraRegistry, slot_shape
-from server.model.runner import ModelRunner
 from server.model.sampling import Sampler, SamplingParams
 from server.model.tp_worker import RankZero
 from server.multimodal import vision_spec
@@ -51,14 +50,6 @@ from server.scheduler.validation import InvalidRequestError
 
 log = logging.getLogger("server.scheduler")  # the step loop's (the server logs it there)
 Prompt = str | Sequence[int]
-# Extend passes of at least this many tokens run quantized linears on a dense bf16 copy where
-# the CPU has bf16 dot products and the linear kernel is the AVX2 one (measured break-even ~32
-# rows; see QuantLinear), or the CPU has AMX tiles. The AVX-512 VNNI kernel was faster than
-# oneDNN's dense bf16 matmul at every row count on an AVX512-BF16 CPU (docs/benchmarks.md, "Native CPU
-# linear layers"); AMX's bf16 tiles were not measured against it.
-DENSE_PREFILL_ROWS = 64
-
-
 class Engine:
     """Load a model and serve batched generation in this process.
 
@@ -86,6 +77,11 @@ class Engine:
         self.config = resolve(config, kv_elements_per_token=loaded.arch.kv_elements_per_token,
                               model_context_length=loaded.arch.max_position_embeddings,
                               head_dim=loaded.arch.head_dim, windowed=loaded.arch.windowed)
+        if self.config.model.is_embedding:  # --is-embedding: vectors only, no generation
+            loaded = dataclasses.replace(loaded, arch=dataclasses.replace(
+                loaded.arch, embedding_only=True))
+        if loaded.arch.encoder is not None:
+            self.config = encoder_config(self.config)
         mc, cc, sc = self.config.model, self.config.cache, self.config.scheduler
         self.arch = loaded.arch
         self.tokenizer = loaded.tokenizer
@@ -94,26 +90,18 @@ class Engine:
         self._ranks = RankZero(self.config, loaded.arch) if self.config.parallel.tp_size > 1 \
             else None  # tensor parallelism: this process is rank 0 of the group
         self.tp = self._ranks.group if self._ranks is not None else None
-        self.kv_pool = TokenKVPool(cc.max_total_tokens, loaded.arch.num_layers,
+        # an encoder keeps no KV: its pool is an allocator without buffers
+        self.kv_pool = TokenKVPool(cc.max_total_tokens, 0 if loaded.arch.encoder else
+                                   loaded.arch.num_layers,
                                    len(self.tp.shard.kv_heads) if self.tp
                                    else loaded.arch.num_kv_heads, loaded.arch.head_dim,
                                    dtype=mc.torch_kv_dtype, device=mc.device)
         self.req_table = ReqToTokenTable(sc.max_running_requests, self.context_len, mc.device)
         linear = mc.linear_kernel
         lora_slots, lora_rank = self._lora_shape()
-        self.runner = ModelRunner(loaded, self.kv_pool, dtype=mc.torch_dtype, device=mc.device,
-                                  max_positions=self.context_len,
-                                  attention_backend=mc.attention_backend,
-                                  quantization=mc.quantization,
-                                  compile=mc.torch_compile,
-                                  dense_prefill_rows=self._dense_prefill_rows(mc, linear),
-                                  native_linear=linear, cpu_isa=mc.cpu_isa,
-                                  cpu_threads=mc.cpu_threads,
-                                  cuda_graph_max_bs=(0 if mc.disable_cuda_graph else
-                                                     min(mc.cuda_graph_max_bs,
-                                                         sc.max_running_requests)),
-                                  req_to_token=self.req_table.table, tp=self.tp,
-                                  lora_slots=lora_slots, max_lora_rank=lora_rank)
+        self.runner = build_runner(loaded, self.config, self.kv_pool,
+                                   req_to_token=self.req_table.table, tp=self.tp,
+                                   lora_slots=lora_slots, max_lora_rank=lora_rank)
         self.loras = LoraRegistry(self.runner.lora, self.runner.model)
         for name, path in self.config.lora.adapters():
             self.load_lora(name, path, error=ConfigError)
@@ -128,7 +116,8 @@ class Engine:
         self.scheduler = Scheduler(sc, self.cache, vocab_size=loaded.arch.vocab_size,
                                    context_len=self.context_len,
                                    sampler=Sampler(self.config.seed, native=linear is not None),
-                                   seed=self.config.seed, tokenizer=loaded.tokenizer)
+                                   seed=self.config.seed, tokenizer=loaded.tokenizer,
+                                   whole_prompts=loaded.arch.encoder is not None)
         self.eos_ids = frozenset(self._eos_ids())
         self._grammars: GrammarCompiler | None = None
         self._grammars_lock = threading.Lock()
@@ -159,15 +148,6 @@ class Engine:
         sched = self.scheduler
         self.loras.unload(name, (r.lora_slot for r in (*sched.waiting, *sched.prefilling,
                                                         *sched.running)))
-
-    @staticmethod
-    def _dense_prefill_rows(mc, linear: str | None) -> int | None:
-        """Extend passes of at least this many tokens run on dense bf16 weight copies (None:
-        never): see DENSE_PREFILL_ROWS; never with deterministic_inference."""
-        if (mc.device != "cpu" or not native_bf16(mc.cpu_isa) or mc.deterministic_inference
-                or (linear == "avx512_vnni" and not at_least("amx", mc.cpu_isa))):
-            return None
-        return DENSE_PREFILL_ROWS
 
     def check_parallel(self) -> None:
         """Between steps: raise TensorParallelError if a tensor-parallel rank died."""
@@ -321,6 +301,19 @@ class Engine:
                                               images=images, lora=lora))
         outputs = self.run(reqs)
         return outputs[0] if single and params.n == 1 else outputs
+
+    def embed(self, inputs: Prompt | Sequence[Prompt], lora: str | None = None
+              ) -> list[float] | list[list[float]]:
+        """Embed one prompt (text or token ids; returns its vector) or a batch (a list of
+        vectors), float32 values as ``/v1/embeddings`` returns them: an encoder's own pooling
+        (a cross-encoder's relevance logits), else the last token's final hidden state,
+        L2-normalized. Texts get the tokenizer's special tokens. Raises InvalidRequestError
+        (e.g. an empty or too long prompt) before anything is queued."""
+        single = isinstance(inputs, str) or (len(inputs) > 0 and isinstance(inputs[0], int))
+        reqs = [self.make_request(p, SamplingParams(max_new_tokens=0), embed=True, lora=lora)
+                for p in ([inputs] if single else inputs)]
+        self.run(reqs)
+        return reqs[0].embedding if single else [r.embedding for r in reqs]
 
     def run(self, reqs: Sequence[Req]) -> list[dict]:
         """Queue ``reqs`` and step until all finish; outputs in the same order.

@@ -180,3 +180,55 @@ def make_adapter(hf_model, out_dir: str, rank: int, alpha: int, targets, rslora:
         init_lora_weights=False))
     model.save_pretrained(out_dir)
     return model.eval()
+
+
+# a WordPiece vocabulary the tiny encoders' tokenizer spells any lowercase ASCII text with
+_ENCODER_VOCAB = (["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+                  + list("abcdefghijklmnopqrstuvwxyz0123456789.,?!'-")
+                  + [f"##{c}" for c in "abcdefghijklmnopqrstuvwxyz0123456789"]
+                  + "the a is of what capital paris france cat dog sat on mat berlin".split())
+ENCODER_ARCHS = ("BertModel", "XLMRobertaModel", "BertForSequenceClassification",
+                 "XLMRobertaForSequenceClassification")
+
+
+def make_encoder(out_dir: str, arch: str = "BertModel", pooling: str | None = None,
+                 normalize: bool = True, seed: int = 0):
+    """Save a tiny random BERT-family model (fp32, 2 layers, hidden 32) with a WordPiece
+    tokenizer to ``out_dir``; ``pooling`` ("cls", "mean", "lasttoken") also writes a
+    sentence-transformers ``modules.json`` (with a Normalize module when ``normalize``).
+    Returns the transformers model."""
+    import json
+
+    import transformers
+    from transformers import BertConfig, BertTokenizerFast, XLMRobertaConfig
+
+    os.makedirs(out_dir, exist_ok=True)
+    BertTokenizerFast(vocab={w: i for i, w in enumerate(_ENCODER_VOCAB)}).save_pretrained(out_dir)
+    common = dict(vocab_size=len(_ENCODER_VOCAB), hidden_size=32, num_hidden_layers=2,
+                  num_attention_heads=4, intermediate_size=64, max_position_embeddings=128,
+                  num_labels=1)
+    cfg = (BertConfig(**common) if arch.startswith("Bert")
+           else XLMRobertaConfig(**common, type_vocab_size=1, pad_token_id=0))
+    torch.manual_seed(seed)
+    model = getattr(transformers, arch)(cfg).eval()
+    with torch.no_grad():  # LayerNorms and biases away from their 1/0 initialization
+        for name, p in model.named_parameters():
+            if "LayerNorm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(out_dir)
+    if pooling is not None:
+        modules = [{"idx": 0, "name": "0", "path": "",
+                    "type": "sentence_transformers.models.Transformer"},
+                   {"idx": 1, "name": "1", "path": "1_Pooling",
+                    "type": "sentence_transformers.models.Pooling"}]
+        if normalize:
+            modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
+                            "type": "sentence_transformers.models.Normalize"})
+            os.makedirs(os.path.join(out_dir, "2_Normalize"), exist_ok=True)
+        with open(os.path.join(out_dir, "modules.json"), "w") as f:
+            json.dump(modules, f)
+        os.makedirs(os.path.join(out_dir, "1_Pooling"), exist_ok=True)
+        mode = {"cls": "cls_token", "mean": "mean_tokens", "lasttoken": "lasttoken"}[pooling]
+        with open(os.path.join(out_dir, "1_Pooling", "config.json"), "w") as f:
+            json.dump({"word_embedding_dimension": 32, f"pooling_mode_{mode}": True}, f)
+    return model

@@ -1,10 +1,13 @@
 """Embedding routes: OpenAI's ``POST /v1/embeddings`` and SGLang's native ``POST /encode``.
 
-An embedding request is a prefill-only request (``max_new_tokens`` 0) whose answer is the
-final hidden state of its last token, L2-normalized (last-token pooling, as decoder embedding
-models such as Qwen3-Embedding, e5-mistral and gte-Qwen2 pool; the default model serves it too).
-It goes through the scheduler like any prompt: batched with generation, and its KV cached in
-the radix tree, so texts sharing a prefix (an instruction, a document) compute it once.
+An embedding request is a prefill-only request (``max_new_tokens`` 0). On a decoder its answer
+is the final hidden state of its last token, L2-normalized (last-token pooling, as decoder
+embedding models such as Qwen3-Embedding, e5-mistral and gte-Qwen2 pool; the default model
+serves it too); it goes through the scheduler like any prompt: batched with generation, and its
+KV cached in the radix tree, so texts sharing a prefix (an instruction, a document) compute it
+once. On a BERT-family encoder (bge, e5, gte, MiniLM) it is the model's own pooling (CLS or
+mean, as ``modules.json`` declares), normalized when the model does (no radix cache: the
+encoder attends both ways).
 
 ``/v1/embeddings``: ``input`` a text, a list of texts, token ids or a list of them;
 ``encoding_format`` "float" (a list of numbers) or "base64" (the float32 values, little-endian,
@@ -15,8 +18,9 @@ hidden size (these models are not trained to be truncated: any other value is a 
 
 ``/encode`` (SGLang's shape): ``text`` or ``input_ids``, single or batch; each result is
 ``{"embedding": [...], "meta_info": {"id", "prompt_tokens", "cached_tokens"}}``, a list of
-them for a batch. A sentence-transformers directory whose ``modules.json`` pools otherwise
-(mean, CLS) is refused with a 400 rather than given last-token vectors.
+them for a batch. A sentence-transformers decoder directory whose ``modules.json`` pools
+otherwise (mean, CLS) is refused with a 400 rather than given last-token vectors, and so is a
+cross-encoder reranker.
 """
 
 from __future__ import annotations
@@ -38,13 +42,19 @@ router = APIRouter()
 
 
 def _check_pooling(request: Request) -> None:
-    """A sentence-transformers model that pools otherwise than by its last token (mean, CLS:
-    the BERT family's, some decoders') would get wrong vectors: 400 naming its pooling."""
+    """400 unless the model serves embeddings as it declares them: a cross-encoder reranker
+    serves /v1/rerank instead, and a sentence-transformers decoder directory whose
+    ``modules.json`` pools otherwise than by the last token (mean, CLS) would get wrong vectors
+    (encoders pool as declared: :mod:`server.model.encoder_config`)."""
+    info = manager_of(request).info
+    if info.num_labels:
+        raise ApiError(400, "this model is a cross-encoder reranker: it serves /v1/rerank and "
+                       "/score, not embeddings", param="model")
     pooling = request.app.state.pooling
-    if pooling not in (None, "lasttoken"):
+    if pooling not in (None, info.pooling):
         raise ApiError(400, f"this model pools its embeddings by {pooling} "
-                       "(sentence-transformers' modules.json); the server serves last-token "
-                       "pooling only", param="model")
+                       "(sentence-transformers' modules.json); the server serves "
+                       f"{info.pooling} pooling for it", param="model")
 
 
 async def _embed(request: Request, inputs: list[GenerateInput]) -> list[Any]:

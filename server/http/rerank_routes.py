@@ -18,6 +18,11 @@ default model) the scores are valid probabilities but weak judgements.
 first. ``/score``: ``text_1`` (a query, or one per ``text_2`` entry) and ``text_2``; response
 ``{"id", "object": "list", "model", "data": [{"index", "object": "score", "score"}],
 "usage"}`` in input order.
+
+On a cross-encoder (``*ForSequenceClassification``: bge-reranker, ms-marco MiniLM; served by
+:mod:`server.model.bert`) a pair is one sequence, ``[CLS] query [SEP] document [SEP]``, and its
+score the sigmoid of the model's relevance logit, as sentence-transformers' ``CrossEncoder``
+computes it (``instruct`` is not used).
 """
 
 from __future__ import annotations
@@ -56,10 +61,40 @@ def _answer_id(manager: TokenizerManager, word: str) -> int:
     return manager.tokenizer(word, add_special_tokens=False)["input_ids"][0]
 
 
+async def _cross_encoder_scores(manager: TokenizerManager, request: Request,
+                                pairs: list[tuple[str, str]]) -> tuple[list[float], int]:
+    """(sigmoid of a cross-encoder's relevance logit for each (query, document) pair, prompt
+    tokens in all): each pair tokenized as the model's tokenizer pairs two texts
+    (``[CLS] query [SEP] document [SEP]``), as sentence-transformers' CrossEncoder scores it.
+    Raises ApiError."""
+    check_batch(manager, len(pairs), "documents")
+    tokenized = await asyncio.to_thread(
+        lambda: [manager.tokenizer(q, d)["input_ids"] for q, d in pairs])
+    inputs = []
+    for ids in tokenized:
+        if len(ids) > manager.info.context_len:
+            raise ApiError(400, f"a query and document take {len(ids)} tokens; the context "
+                           f"length is {manager.info.context_len}", param="documents")
+        inp = GenerateInput(ids, SamplingParams(max_new_tokens=0), embed=True)
+        manager.validate(inp)
+        inputs.append(inp)
+    results = await collect(request, [manager.generate(inp) for inp in inputs])
+    logits = [outs[-1].embedding for outs in results]
+    if any(lg is None for lg in logits):  # aborted in the scheduler (e.g. draining)
+        raise ApiError(503, "the server did not score every document", type="server_error")
+    return [1.0 / (1.0 + math.exp(-lg[0])) for lg in logits], sum(map(len, tokenized))
+
+
 async def _scores(request: Request, pairs: list[tuple[str, str]], instruct: str | None
                   ) -> tuple[list[float], int]:
-    """(P(yes) of each (query, document) pair, prompt tokens in all). Raises ApiError."""
+    """(P(yes) of each (query, document) pair, or a cross-encoder's sigmoid score; prompt
+    tokens in all). Raises ApiError."""
     manager = manager_of(request)
+    if manager.info.num_labels:
+        return await _cross_encoder_scores(manager, request, pairs)
+    if manager.info.embedding_only:  # no LM head to judge with
+        raise ApiError(400, f"{manager.info.model_name} is an embedding model (no LM head): it "
+                       "serves /v1/embeddings and /encode", param="model")
     check_batch(manager, 2 * len(pairs), "documents")
     yes, no = _answer_id(manager, "yes"), _answer_id(manager, "no")
     prompts = await asyncio.gather(*(manager.apply_chat_template_async(

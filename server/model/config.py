@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+if TYPE_CHECKING:
+    from server.model.encoder_config import EncoderSpec
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe",
                          "gemma", "gemma2", "gemma3_text", "gemma3")
@@ -91,6 +94,8 @@ class ArchConfig:
     # window layers use RoPE base local_rope_theta when set (Gemma 3), without rope_scaling.
     layer_windows: tuple[int, ...] = ()
     local_rope_theta: float | None = None
+    # a BERT-family encoder (bidirectional, no KV reuse: server.model.encoder_config)
+    encoder: EncoderSpec | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

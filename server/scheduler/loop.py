@@ -262,6 +262,7 @@ def run_scheduler_process(config: EngineConfig, to_scheduler: str, from_schedule
     engine = Engine(config=config)
     mc = engine.config.model
     quant = engine.runner.quant_report.summary()
+    spec = engine.arch.encoder
     ngram = engine.config.scheduler.speculative_ngram
     log.info("model %s loaded in %.1f s (%s on %s, %s attention, weights %s, KV pool %d tokens "
              "in %s, %s, n-gram drafts %s)", engine.model_name, time.perf_counter() - start,
@@ -277,6 +278,7 @@ def run_scheduler_process(config: EngineConfig, to_scheduler: str, from_schedule
         attention_backend=mc.attention_backend, quantization=quant, compiled=engine.runner.compiled,
         batch_invariant=engine.runner.batch_invariant, speculative_ngram=ngram,
         hidden_size=engine.arch.hidden_size, embedding_only=engine.arch.embedding_only,
+        pooling=spec.pooling if spec else "lasttoken", num_labels=spec.num_labels if spec else 0,
         loras=engine.loras.served())))
     loop = SchedulerLoop(engine, recv, send)
     engine.prepare_grammars()

@@ -48,10 +48,13 @@ def record_input_logprobs(req: Req, positions: Sequence[int], rows: Sequence[int
         req.input_top_logprobs.extend(top_logprobs(lp, req.logprobs.top_logprobs_num))
 
 
-def last_token_embedding(out: RunnerOutput, row: int) -> list[float]:
-    """An embedding request's vector: the final hidden state of its prompt's last token
-    (last-token pooling, as Qwen3-Embedding, e5-mistral and gte-Qwen2 pool), L2-normalized, as
-    float32 values. Raises RuntimeError when the pass kept no hidden states."""
+def request_embedding(out: RunnerOutput, row: int) -> list[float]:
+    """An embedding request's vector, as float32 values: an encoder's pooled output
+    (``out.pooled``), else the final hidden state of its prompt's last token (last-token
+    pooling, as Qwen3-Embedding, e5-mistral and gte-Qwen2 pool), L2-normalized. Raises
+    RuntimeError when the pass kept no hidden states."""
+    if out.pooled is not None:
+        return out.pooled[row].tolist()
     if out.hidden is None:
         raise RuntimeError("this forward pass kept no hidden states")
     return torch.nn.functional.normalize(out.hidden[row].float(), dim=0).tolist()

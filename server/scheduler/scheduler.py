@@ -22,9 +22,8 @@ In-batch prefix sharing (cache-aware policies): a request whose uncached part th
 prefills waits one step to reuse that KV (:class:`server.scheduler.waiting.StepSharing`).
 
 Memory is the cache manager's (:mod:`server.cache.manager`): the scheduler asks it to admit,
-allocate, cache and release by request, and never touches rows, nodes or the tree.
-
-Memory pressure: allocation evicts LRU cache leaves first; when that is not enough, the newest
+allocate, cache and release by request, and never touches rows, nodes or the tree. Under
+pressure: allocation evicts LRU cache leaves first; when that is not enough, the newest
 admitted requests are *retracted*: their computed KV goes into the cache and they return to the
 waiting queue (outputs kept), to resume cheaply from their cached prefix later.
 
@@ -50,8 +49,8 @@ from server.scheduler.draft_cost import DraftGate
 from server.scheduler.metrics import SchedulerStats, snapshot
 from server.scheduler.outputs import (
     TokenDelta,
-    last_token_embedding,
     record_input_logprobs,
+    request_embedding,
     sample_and_append,
     set_draft,
     verify_draft,
@@ -69,12 +68,13 @@ class Scheduler:
         sampler: the batched sampler (seeded for reproducibility); seed: for the random policy.
         tokenizer: enables jump-forward for constrained requests (unless the config disables
             it); forced tokens are computed by an extend pass like a prompt chunk.
+        whole_prompts: never split a prompt (an encoder attends both ways): it waits for budget.
     """
 
     def __init__(self, config: SchedulerConfig, cache: CacheManager, *, vocab_size: int,
                  context_len: int, sampler: Sampler | None = None, seed: int = 0,
-                 tokenizer: Any = None):
-        self.config = config
+                 tokenizer: Any = None, whole_prompts: bool = False):
+        self.config, self.whole_prompts = config, whole_prompts
         self.cache = cache
         self.vocab_size = vocab_size
         self.context_len = context_len
@@ -115,23 +115,21 @@ class Scheduler:
     def abort(self, rid: str, message: str = "aborted", error: bool = False) -> TokenDelta | None:
         """End request ``rid`` in any state and free its memory; None if unknown or done.
         ``error`` reports finish reason "error" (a request-scoped failure) instead of "abort"."""
-        req = self.reqs.get(rid)
-        if req is None or req.finished:
-            return None
-        if req.status is ReqStatus.WAITING:
-            self.waiting.remove(req)
-        self.stats.aborts += 1
-        return self._finish(req, FinishReason("error" if error else "abort", message=message))
+        return self._end(rid, FinishReason("error" if error else "abort", message=message))
 
     def stop(self, rid: str, matched: str) -> TokenDelta | None:
         """End request ``rid`` because a front end matched stop string ``matched`` in its text
         (finish reason "stop", not counted as an abort); None if unknown or done."""
+        return self._end(rid, FinishReason("stop", matched=matched))
+
+    def _end(self, rid: str, reason: FinishReason) -> TokenDelta | None:
         req = self.reqs.get(rid)
         if req is None or req.finished:
             return None
         if req.status is ReqStatus.WAITING:
             self.waiting.remove(req)
-        return self._finish(req, FinishReason("stop", matched=matched))
+        self.stats.aborts += reason.type != "stop"
+        return self._finish(req, reason)
 
     def fail_batch(self, batch: ForwardBatch, message: str) -> list[TokenDelta]:
         """End every request of an in-flight ``batch`` whose forward or update failed, with
@@ -228,6 +226,8 @@ class Scheduler:
                 break
             if in_step.defer(req):
                 continue  # computed by another request this step: it will be a cache hit next
+            if self.whole_prompts and chunks and req.fill_len > budget:
+                break
             if not self.cache.ready(req):
                 continue  # its cached pages are still being read from disk
             busy = bool(self.prefilling or self.running)
@@ -311,7 +311,7 @@ class Scheduler:
                 req.status = ReqStatus.RUNNING
                 self.running.append(req)
                 if req.params.max_new_tokens == 0:  # prefill-only: cache it and finish
-                    req.embedding = last_token_embedding(out, rows[-1]) if req.embed else None
+                    req.embedding = request_embedding(out, rows[-1]) if req.embed else None
                     deltas.append(self._finish(req, FinishReason("length")))
                     continue
             to_sample.append((req, rows[-1]))
