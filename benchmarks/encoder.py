@@ -76,11 +76,13 @@ def _serve(path: str, texts: list[str], queries: list[tuple[str, list[str]]], ba
     with sgl.Runtime(path, max_total_tokens=65536) as rt:
         client = openai.OpenAI(base_url=rt.base_url + "/v1", api_key="x", max_retries=0)
         client.embeddings.create(model="m", input=texts[:2])  # warm-up
+        info = rt.base_url + "/server_info"
+        before = httpx.get(info).json()["metrics"]["prompt_tokens"]
         start = time.perf_counter()
         vecs = [d.embedding for k in range(0, len(texts), batch)
                 for d in client.embeddings.create(model="m", input=texts[k:k + batch]).data]
         seconds = time.perf_counter() - start
-        tokens = httpx.get(rt.base_url + "/server_info").json()["metrics"]["prompt_tokens"]
+        tokens = httpx.get(info).json()["metrics"]["prompt_tokens"] - before
     with sgl.Runtime(rerank_path, max_total_tokens=65536) as rt:
         httpx.post(rt.base_url + "/v1/rerank", json={"query": "q", "documents": ["d"]})
         start = time.perf_counter()

