@@ -82,7 +82,8 @@ async def _cross_encoder_scores(manager: TokenizerManager, request: Request,
     logits = [outs[-1].embedding for outs in results]
     if any(lg is None for lg in logits):  # aborted in the scheduler (e.g. draining)
         raise ApiError(503, "the server did not score every document", type="server_error")
-    return [1.0 / (1.0 + math.exp(-lg[0])) for lg in logits], sum(map(len, tokenized))
+    # the sigmoid as 0.5 (1 + tanh(x / 2)): no overflow for a logit far below zero
+    return [0.5 * (1.0 + math.tanh(lg[0] / 2)) for lg in logits], sum(map(len, tokenized))
 
 
 async def _scores(request: Request, pairs: list[tuple[str, str]], instruct: str | None
