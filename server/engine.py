@@ -35,7 +35,7 @@ from server.constrained.reasoning_gate import ReasoningGatedMatcher
 from server.constrained.spec import make_spec
 from server.detokenizer import OutputText, StopRegexTimeout
 from server.images import EngineImages
-from server.model.build import build_runner, encoder_config
+from server.model.build import build_runner, encoder_engine_config
 from server.model.loader import load_model
 from server.model.lora_files import LoraError
 from server.model.lora_registry import LoraRegistry, slot_shape
@@ -81,7 +81,7 @@ class Engine:
             loaded = dataclasses.replace(loaded, arch=dataclasses.replace(
                 loaded.arch, embedding_only=True))
         if loaded.arch.encoder is not None:
-            self.config = encoder_config(self.config)
+            self.config = encoder_engine_config(self.config)
         mc, cc, sc = self.config.model, self.config.cache, self.config.scheduler
         self.arch = loaded.arch
         self.tokenizer = loaded.tokenizer

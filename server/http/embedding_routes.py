@@ -57,8 +57,9 @@ def _check_pooling(request: Request) -> None:
                        f"{info.pooling} pooling for it", param="model")
 
 
-async def _embed(request: Request, inputs: list[GenerateInput]) -> list[Any]:
-    """Run the embedding requests together; the final output of each (its ``embedding`` set).
+async def embed_inputs(request: Request, inputs: list[GenerateInput]) -> list[Any]:
+    """Run the embedding requests together (also a cross-encoder's pairs: ``rerank_routes``);
+    the final output of each (its ``embedding`` set).
     Raises ApiError (a refused request) or CancelledError (the client went away: all are
     aborted)."""
     manager = manager_of(request)
@@ -81,7 +82,7 @@ async def embeddings(request: Request, body: EmbeddingRequest = Depends(body_of(
     if body.dimensions is not None and body.dimensions != size:
         raise ApiError(400, f"this model's embeddings have {size} dimensions and cannot be "
                        f"shortened to {body.dimensions}", param="dimensions")
-    finals = await _embed(request, await admit_embedding(
+    finals = await embed_inputs(request, await admit_embedding(
         manager, body.input, "input", lora_of_model(manager, body.model)))
 
     def encode(vector: list[float]) -> list[float] | str:
@@ -113,7 +114,7 @@ async def encode(request: Request, body: EncodeRequest = Depends(body_of(EncodeR
             raise ApiError(400, f"rid: {len(rids)} ids for {len(inputs)} inputs", param="rid")
         for inp, rid in zip(inputs, rids):
             inp.rid = rid
-    finals = await _embed(request, inputs)
+    finals = await embed_inputs(request, inputs)
     results = [{"embedding": out.embedding,
                 "meta_info": {"id": out.rid, "prompt_tokens": out.prompt_tokens,
                               "cached_tokens": out.cached_tokens}} for out in finals]

@@ -36,6 +36,7 @@ from fastapi import APIRouter, Depends, Request
 
 from server.http.admission import check_batch
 from server.http.body import body_of
+from server.http.embedding_routes import embed_inputs
 from server.http.errors import ApiError
 from server.http.responses import collect, manager_of
 from server.http.schemas import RerankRequest, ScoreRequest
@@ -78,10 +79,7 @@ async def _cross_encoder_scores(manager: TokenizerManager, request: Request,
         inp = GenerateInput(ids, SamplingParams(max_new_tokens=0), embed=True)
         manager.validate(inp)
         inputs.append(inp)
-    results = await collect(request, [manager.generate(inp) for inp in inputs])
-    logits = [outs[-1].embedding for outs in results]
-    if any(lg is None for lg in logits):  # aborted in the scheduler (e.g. draining)
-        raise ApiError(503, "the server did not score every document", type="server_error")
+    logits = [out.embedding for out in await embed_inputs(request, inputs)]
     # the sigmoid as 0.5 (1 + tanh(x / 2)): no overflow for a logit far below zero
     return [0.5 * (1.0 + math.tanh(lg[0] / 2)) for lg in logits], sum(map(len, tokenized))
 

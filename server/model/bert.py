@@ -11,6 +11,7 @@ an extend pass): the linear layers run on the T rows, attention on each sequence
 
 from __future__ import annotations
 
+import itertools
 from typing import Iterable
 
 import torch
@@ -135,7 +136,7 @@ class BertEncoder(nn.Module):
     def pool(self, hidden: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
         """Each sequence's output, float32: [B, hidden] pooled (and L2-normalized) vectors of
         an embedding model, or [B, num_labels] relevance logits of a cross-encoder."""
-        starts = [sum(seq_lens[:i]) for i in range(len(seq_lens))]
+        starts = [0, *itertools.accumulate(seq_lens)][:-1]
         first = hidden[starts]
         if self.spec.num_labels and self.spec.family == "bert":
             return self.classifier(torch.tanh(self.pooler["dense"](first))).float()

@@ -1,7 +1,7 @@
 """Building the model runner a resolved :class:`server.config.EngineConfig` asks for: the
 decoder's :class:`server.model.runner.ModelRunner` or an encoder's
 :class:`server.model.encoder_runner.EncoderRunner`, and the config changes an encoder needs
-(:func:`encoder_config`). Called by :class:`server.engine.Engine`.
+(:func:`encoder_engine_config`). Called by :class:`server.engine.Engine`.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def dense_prefill_rows(mc, linear: str | None) -> int | None:
     return DENSE_PREFILL_ROWS
 
 
-def encoder_config(config: EngineConfig) -> EngineConfig:
+def encoder_engine_config(config: EngineConfig) -> EngineConfig:
     """``config`` (resolved) for an encoder model: no radix cache (a bidirectional token's KV
     depends on what follows it) and extend batches that hold the longest prompt (prompts run
     whole). Raises ConfigError for what an encoder cannot do: tensor parallelism, LoRA."""
