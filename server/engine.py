@@ -256,6 +256,7 @@ class Engine:
         return Req(rid=rid or uuid.uuid4().hex, input_ids=ids, params=params,
                    eos_ids=self.eos_ids, logprobs=logprobs, namespace=cache_salt,
                    grammar=grammar, images=image_inputs, embed=embed,
+                   pooling=None if self.arch.encoder else self.arch.pooling,
                    lora_slot=-1 if adapter is None else adapter.slot, priority=priority)
 
     # ---------------------------------------------------------------- generation
@@ -306,9 +307,10 @@ class Engine:
               ) -> list[float] | list[list[float]]:
         """Embed one prompt (text or token ids; returns its vector) or a batch (a list of
         vectors), float32 values as ``/v1/embeddings`` returns them: an encoder's own pooling
-        (a cross-encoder's relevance logits), else the last token's final hidden state,
-        L2-normalized. Texts get the tokenizer's special tokens. Raises InvalidRequestError
-        (e.g. an empty or too long prompt) before anything is queued."""
+        (a cross-encoder's relevance logits), else the decoder's (``arch.pooling``: the last
+        token's final hidden state or the mean of all, L2-normalized by default). Texts get
+        the tokenizer's special tokens. Raises InvalidRequestError (e.g. an empty or too long
+        prompt) before anything is queued."""
         single = isinstance(inputs, str) or (len(inputs) > 0 and isinstance(inputs[0], int))
         reqs = [self.make_request(p, SamplingParams(max_new_tokens=0), embed=True, lora=lora)
                 for p in ([inputs] if single else inputs)]

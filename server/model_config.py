@@ -71,7 +71,8 @@ class ModelConfig:
             captured per batch-size bucket (:mod:`server.model.cuda_graph`). No effect on CPU.
         cuda_graph_max_bs: largest decode batch served by a captured graph (tokens = requests);
             larger decode batches run eagerly.
-        is_embedding: serve the model as an embedding model (last-token pooling, L2-normalized;
+        is_embedding: serve the model as an embedding model (``modules.json``'s pooling, else
+            last-token, L2-normalized;
             generation and logprobs refused) although its checkpoint has an LM head (gte-Qwen2
             and other embedding models saved as ``*ForCausalLM``). Detected without it for
             base-model checkpoints (``*Model``) and BERT-family encoders.

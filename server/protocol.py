@@ -111,7 +111,7 @@ class Ready(msgspec.Struct, tag=True):
     speculative_ngram: int = 0  # resolved draft length (0 = off)
     hidden_size: int = 0  # the length of an embedding (the model's hidden size)
     embedding_only: bool = False  # a base model without an LM head (ArchConfig.embedding_only)
-    pooling: str = "lasttoken"  # how an embedding pools: an encoder's EncoderSpec.pooling
+    pooling: str = "lasttoken"  # how an embedding pools: ArchConfig.pooling.method
     num_labels: int = 0  # a cross-encoder reranker's logits per sequence (0: not one)
     loras: dict[str, str] = {}  # the LoRA adapters served: name -> path
 

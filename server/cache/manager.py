@@ -176,7 +176,10 @@ class CacheManager:
     @staticmethod
     def max_prefix(req: "Req") -> int:
         """Longest reusable prefix: at least one token is computed (for the logits), and prompt
-        positions whose logprobs are wanted must be computed too."""
+        positions whose logprobs (or hidden states: mean pooling) are wanted must be computed
+        too."""
+        if req.pools_every_row:
+            return 0
         cap = req.fill_len - 1
         if req.wants_input_logprobs:
             first = req.logprobs.logprob_start_len + len(req.input_token_logprobs) - 1

@@ -95,7 +95,8 @@ def create_app(manager: TokenizerManager, *, model_name: str, model_path: str | 
     app.state.manager = manager
     app.state.model_name = model_name
     app.state.model_path = model_path
-    # a sentence-transformers directory's declared pooling (embedding_routes serves last-token)
+    # a sentence-transformers directory's declared pooling (embedding_routes refuses embeddings
+    # when the scheduler serves another: server.model.pooling)
     app.state.pooling = sentence_transformers_pooling(model_path) if model_path else None
     app.state.server_args = server_args or {}
     app.state.metrics = ops_routes.ServerMetrics()

@@ -3,11 +3,14 @@
 An embedding request is a prefill-only request (``max_new_tokens`` 0). On a decoder its answer
 is the final hidden state of its last token, L2-normalized (last-token pooling, as decoder
 embedding models such as Qwen3-Embedding, e5-mistral and gte-Qwen2 pool; the default model
-serves it too); it goes through the scheduler like any prompt: batched with generation, and its
-KV cached in the radix tree, so texts sharing a prefix (an instruction, a document) compute it
-once. On a BERT-family encoder (bge, e5, gte, MiniLM) it is the model's own pooling (CLS or
-mean, as ``modules.json`` declares), normalized when the model does (no radix cache: the
-encoder attends both ways).
+serves it too), or the mean of every position's where sentence-transformers' ``modules.json``
+declares mean pooling (normalized when it lists a Normalize module:
+:mod:`server.model.pooling`). It goes through the scheduler like any prompt: batched with
+generation, and its KV cached in the radix tree, so last-token texts sharing a prefix (an
+instruction, a document) compute it once (a mean-pooled text computes every position: a cached
+one's hidden state is not kept). On a BERT-family encoder (bge, e5, gte, MiniLM) it is the
+model's own pooling (CLS or mean, as ``modules.json`` declares), normalized when the model does
+(no radix cache: the encoder attends both ways).
 
 ``/v1/embeddings``: ``input`` a text, a list of texts, token ids or a list of them;
 ``encoding_format`` "float" (a list of numbers) or "base64" (the float32 values, little-endian,
@@ -19,7 +22,7 @@ hidden size (these models are not trained to be truncated: any other value is a 
 ``/encode`` (SGLang's shape): ``text`` or ``input_ids``, single or batch; each result is
 ``{"embedding": [...], "meta_info": {"id", "prompt_tokens", "cached_tokens"}}``, a list of
 them for a batch. A sentence-transformers decoder directory whose ``modules.json`` pools
-otherwise (mean, CLS) is refused with a 400 rather than given last-token vectors, and so is a
+otherwise (max, CLS) is refused with a 400 rather than given last-token vectors, and so is a
 cross-encoder reranker.
 """
 
@@ -43,9 +46,9 @@ router = APIRouter()
 
 def _check_pooling(request: Request) -> None:
     """400 unless the model serves embeddings as it declares them: a cross-encoder reranker
-    serves /v1/rerank instead, and a sentence-transformers decoder directory whose
-    ``modules.json`` pools otherwise than by the last token (mean, CLS) would get wrong vectors
-    (encoders pool as declared: :mod:`server.model.encoder_config`)."""
+    serves /v1/rerank instead, and a sentence-transformers directory whose ``modules.json``
+    pools otherwise than the model is served (a decoder's max or CLS pooling) would get wrong
+    vectors (:mod:`server.model.pooling`)."""
     info = manager_of(request).info
     if info.num_labels:
         raise ApiError(400, "this model is a cross-encoder reranker: it serves /v1/rerank and "

@@ -143,14 +143,14 @@ class BertEncoder(nn.Module):
         if self.spec.num_labels:
             head = self.classifier
             return head["out_proj"](torch.tanh(head["dense"](first))).float()
-        if self.spec.pooling == "cls":
+        if self.arch.pooling.method == "cls":
             pooled = first.float()
-        elif self.spec.pooling == "lasttoken":
+        elif self.arch.pooling.method == "lasttoken":
             pooled = hidden[[s + n - 1 for s, n in zip(starts, seq_lens)]].float()
         else:  # mean
             pooled = torch.stack([hidden[s:s + n].float().mean(0)
                                   for s, n in zip(starts, seq_lens)])
-        return F.normalize(pooled, dim=-1) if self.spec.normalize else pooled
+        return F.normalize(pooled, dim=-1) if self.arch.pooling.normalize else pooled
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int,

@@ -15,6 +15,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
+from server.model.pooling import Pooling
+
 if TYPE_CHECKING:
     from server.model.encoder_config import EncoderSpec
 
@@ -64,7 +66,7 @@ class ArchConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool = False
     # a base model without an LM head (config ``architectures`` all ``...Model``): it serves
-    # embeddings (last-token pooling); generation and prompt logprobs are refused
+    # embeddings (as ``pooling`` says); generation and prompt logprobs are refused
     embedding_only: bool = False
     qkv_bias: bool = False
     o_bias: bool = False
@@ -96,6 +98,8 @@ class ArchConfig:
     local_rope_theta: float | None = None
     # a BERT-family encoder (bidirectional, no KV reuse: server.model.encoder_config)
     encoder: EncoderSpec | None = None
+    # how an embedding pools the final hidden states (sentence-transformers' modules.json)
+    pooling: Pooling = Pooling()
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

@@ -4,10 +4,9 @@ rerankers (``*ForSequenceClassification``, the bge-reranker and ms-marco layouts
 
 An encoder is described by an :class:`ArchConfig` (sizes, layer count, context length; always
 ``embedding_only``) whose ``encoder`` field holds what the decoder fields cannot say
-(:class:`EncoderSpec`): post-LayerNorm blocks, learned absolute positions, token types, and how
-a sequence's hidden states become its vector: sentence-transformers' ``modules.json`` (its
-Pooling and Normalize modules) when the directory has one, else CLS pooling, L2-normalized
-(SGLang's default for these models).
+(:class:`EncoderSpec`): post-LayerNorm blocks, learned absolute positions, token types. Its
+``pooling`` is what sentence-transformers' ``modules.json`` declares, else CLS, L2-normalized
+(:mod:`server.model.pooling`).
 
 Errors: :class:`UnsupportedModelError` names the option not implemented (relative position
 embeddings, an activation other than GELU, max / weighted-mean pooling, a classifier with more
@@ -16,16 +15,13 @@ than one label).
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 from server.model.config import ArchConfig, UnsupportedModelError
-from server.model.files import sentence_transformers_pooling
+from server.model.pooling import ENCODER_POOLINGS, Pooling, declared_pooling
 
 ENCODER_TYPES = ("bert", "roberta", "xlm-roberta")
-POOLINGS = ("cls", "mean", "lasttoken")
 # HF hidden_act -> ArchConfig.hidden_act (BERT's "gelu" is the exact erf GELU)
 _ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_pytorch_tanh",
                 "gelu_pytorch_tanh": "gelu_pytorch_tanh"}
@@ -42,9 +38,6 @@ class EncoderSpec:
         layer_norm_eps: of every LayerNorm.
         position_offset: added to a token's position to index the position embeddings
             (RoBERTa: ``pad_token_id + 1``; BERT 0).
-        pooling: "cls" (the first token's final hidden state), "mean" (over the sequence) or
-            "lasttoken".
-        normalize: L2-normalize the pooled vector.
         num_labels: 1 for a cross-encoder (its one relevance logit per sequence); 0 for an
             embedding model.
     """
@@ -53,25 +46,12 @@ class EncoderSpec:
     type_vocab_size: int
     layer_norm_eps: float
     position_offset: int
-    pooling: str = "cls"
-    normalize: bool = True
     num_labels: int = 0
 
 
 def is_encoder(cfg: Mapping[str, Any]) -> bool:
     """Whether an HF ``config.json`` dict describes a BERT-family encoder."""
     return cfg.get("model_type") in ENCODER_TYPES
-
-
-def sentence_transformers_normalize(path: str) -> bool | None:
-    """Whether a sentence-transformers directory's ``modules.json`` ends with a Normalize
-    module; None when ``path`` has no ``modules.json``."""
-    try:
-        with open(os.path.join(path, "modules.json")) as f:
-            modules = json.load(f)
-        return any(str(m.get("type", "")).endswith(".Normalize") for m in modules)
-    except (OSError, ValueError, AttributeError, TypeError):
-        return None
 
 
 def encoder_arch(cfg: Mapping[str, Any], path: str | None = None) -> ArchConfig:
@@ -94,11 +74,10 @@ def encoder_arch(cfg: Mapping[str, Any], path: str | None = None) -> ArchConfig:
         if num_labels != 1:
             raise UnsupportedModelError(f"{model_type}: a classifier with {num_labels} labels; "
                                         "cross-encoder rerankers (one relevance logit) only")
-    pooling = (sentence_transformers_pooling(path) if path else None) or "cls"
-    if pooling not in POOLINGS:
+    pooling, normalize = declared_pooling(path, "cls")
+    if pooling not in ENCODER_POOLINGS:
         raise UnsupportedModelError(f"{model_type}: {pooling} pooling (modules.json) is not "
-                                    f"supported (supported: {POOLINGS})")
-    normalize = sentence_transformers_normalize(path) if path else None
+                                    f"supported (supported: {ENCODER_POOLINGS})")
     family = "bert" if model_type == "bert" else "roberta"
     offset = int(cfg.get("pad_token_id", 1)) + 1 if family == "roberta" else 0
     hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
@@ -110,9 +89,7 @@ def encoder_arch(cfg: Mapping[str, Any], path: str | None = None) -> ArchConfig:
         rope_theta=0.0,
         # positions past the offset are the usable context
         max_position_embeddings=int(cfg.get("max_position_embeddings", 512)) - offset,
-        embedding_only=True, hidden_act=act,
+        embedding_only=True, hidden_act=act, pooling=Pooling(pooling, normalize),
         encoder=EncoderSpec(family=family, type_vocab_size=int(cfg.get("type_vocab_size", 2)),
                             layer_norm_eps=float(cfg.get("layer_norm_eps", 1e-12)),
-                            position_offset=offset, pooling=pooling,
-                            normalize=True if normalize is None else normalize,
-                            num_labels=num_labels))
+                            position_offset=offset, num_labels=num_labels))

@@ -20,6 +20,7 @@ Errors: :class:`ModelLoadError` names the path and what was expected there.
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
@@ -41,6 +42,7 @@ from server.model.files import (  # noqa: F401 - ModelLoadError, default_model_p
     resolve_model_path,
     saved_tokenizer,
 )
+from server.model.pooling import decoder_pooling
 from server.model.quantization import (
     FLOAT_TYPES,
     INT4_TYPES,
@@ -97,7 +99,8 @@ def load_model(path: str | None) -> LoadedModel:
 def _load_hf_dir(path: str) -> LoadedModel:
     with open(os.path.join(path, "config.json")) as f:
         cfg = json.load(f)
-    arch = encoder_arch(cfg, path) if is_encoder(cfg) else ArchConfig.from_hf(cfg)
+    arch = (encoder_arch(cfg, path) if is_encoder(cfg) else
+            dataclasses.replace(ArchConfig.from_hf(cfg), pooling=decoder_pooling(path)))
     vision = None
     if cfg.get("model_type") == "llava":
         from server.multimodal import ImageError, vision_spec

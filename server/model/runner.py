@@ -183,9 +183,9 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch) -> RunnerOutput:
         """Run one pass; writes the new tokens' K/V into ``batch.out_cache_loc``.
 
-        Returns logits [len(batch.logits_indices), vocab] float32 on the model's device and
-        those rows' final hidden states (a decode step on CUDA replays a captured graph when
-        one fits the batch: no hidden states).
+        Returns logits [len(batch.logits_indices), vocab] float32 on the model's device (vocab
+        0 for an embedding-only model) and those rows' final hidden states (a decode step on
+        CUDA replays a captured graph when one fits the batch: no hidden states).
         """
         if self.tp is not None and self.tp.shard.rank == 0:
             send_batch(self.tp, batch)
@@ -228,4 +228,6 @@ class ModelRunner:
             hidden = self._hidden(batch.input_ids.to(dev), batch.positions.to(dev), rows)
         if rows.numel() == 0:
             return RunnerOutput(torch.empty((0, self.arch.vocab_size), dtype=torch.float32))
+        if self.arch.embedding_only and self.tp is None:  # vectors only: no logits wanted
+            return RunnerOutput(torch.empty((rows.numel(), 0), dtype=torch.float32), hidden)
         return RunnerOutput(self.model.compute_logits(hidden), hidden)

@@ -25,8 +25,11 @@ class Plan:
 
 
 def logit_positions(req: Req, start: int, end: int) -> list[int]:
-    """Positions in [start, end) whose next-token logits are needed: prompt logprobs not yet
-    collected, and the last position when it completes the sequence (to sample)."""
+    """Positions in [start, end) whose next-token logits (or final hidden states) are needed:
+    prompt logprobs not yet collected, every position of a mean-pooled embedding, and the last
+    position when it completes the sequence (to sample, or to pool)."""
+    if req.pools_every_row:
+        return list(range(start, end))
     wanted = []
     if req.wants_input_logprobs:
         first = req.logprobs.logprob_start_len + len(req.input_token_logprobs) - 1

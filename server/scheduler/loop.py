@@ -278,7 +278,7 @@ def run_scheduler_process(config: EngineConfig, to_scheduler: str, from_schedule
         attention_backend=mc.attention_backend, quantization=quant, compiled=engine.runner.compiled,
         batch_invariant=engine.runner.batch_invariant, speculative_ngram=ngram,
         hidden_size=engine.arch.hidden_size, embedding_only=engine.arch.embedding_only,
-        pooling=spec.pooling if spec else "lasttoken", num_labels=spec.num_labels if spec else 0,
+        pooling=engine.arch.pooling.method, num_labels=spec.num_labels if spec else 0,
         loras=engine.loras.served())))
     loop = SchedulerLoop(engine, recv, send)
     engine.prepare_grammars()

@@ -33,6 +33,21 @@ class TokenDelta:
     finish_reason: FinishReason | None = None
 
 
+def record_prompt_rows(req: Req, positions: Sequence[int], rows: Sequence[int],
+                       out: RunnerOutput) -> None:
+    """What a prompt pass leaves a request besides its KV: the logprobs of its prompt tokens
+    (when wanted) and, for a mean-pooled embedding, the sum of the rows' final hidden states
+    (restarted when the pass computes position 0: a retracted request recomputes it all)."""
+    if req.wants_input_logprobs:
+        record_input_logprobs(req, positions, rows, out.logits)
+    if req.pools_every_row and out.pooled is None and positions:
+        if out.hidden is None:
+            raise RuntimeError("this forward pass kept no hidden states")
+        rows_sum = take_rows(out.hidden, rows).float().sum(0)
+        restart = positions[0] == 0 or req.pooled_sum is None
+        req.pooled_sum = rows_sum if restart else req.pooled_sum + rows_sum
+
+
 def record_input_logprobs(req: Req, positions: Sequence[int], rows: Sequence[int],
                           logits: torch.Tensor) -> None:
     """Store the logprob of each prompt token p + 1 given logits row of position p."""
@@ -48,16 +63,22 @@ def record_input_logprobs(req: Req, positions: Sequence[int], rows: Sequence[int
         req.input_top_logprobs.extend(top_logprobs(lp, req.logprobs.top_logprobs_num))
 
 
-def request_embedding(out: RunnerOutput, row: int) -> list[float]:
-    """An embedding request's vector, as float32 values: an encoder's pooled output
-    (``out.pooled``), else the final hidden state of its prompt's last token (last-token
-    pooling, as Qwen3-Embedding, e5-mistral and gte-Qwen2 pool), L2-normalized. Raises
-    RuntimeError when the pass kept no hidden states."""
+def request_embedding(req: Req, out: RunnerOutput, row: int) -> list[float]:
+    """An embedding request's vector, as float32 values, once its prompt is computed: an
+    encoder's pooled output (``out.pooled``), else a decoder's ``req.pooling``: the mean of
+    every prompt position's final hidden state (``req.pooled_sum``) or the last position's
+    (``row``: as Qwen3-Embedding, e5-mistral and gte-Qwen2 pool), L2-normalized when the model
+    normalizes. Raises RuntimeError when the pass kept no hidden states."""
     if out.pooled is not None:
         return out.pooled[row].tolist()
-    if out.hidden is None:
+    if req.pools_every_row:
+        vector = req.pooled_sum / req.fill_len
+    elif out.hidden is None:
         raise RuntimeError("this forward pass kept no hidden states")
-    return torch.nn.functional.normalize(out.hidden[row].float(), dim=0).tolist()
+    else:
+        vector = out.hidden[row].float()
+    normalize = req.pooling is None or req.pooling.normalize
+    return (torch.nn.functional.normalize(vector, dim=0) if normalize else vector).tolist()
 
 
 def take_rows(logits: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from server.model.forward_batch import ImageInput
+from server.model.pooling import Pooling
 from server.model.sampling import SamplingParams, SamplingState, make_generator
 
 
@@ -87,9 +88,13 @@ class Req:
     draft_source: str = ""  # where ``draft`` came from: "jump_forward" or "ngram"
     passed_steps: int = 0  # scheduling steps in which later arrivals were admitted first
     finish_reason: FinishReason | None = None
-    # an embedding request (prefill only): its last prompt token's final hidden state,
-    # L2-normalized, float32, set when its prefill ends
+    # an embedding request (prefill only); ``pooling``: how its prompt's final hidden states
+    # pool (a decoder's; None where the runner pools: an encoder); ``pooled_sum``: mean
+    # pooling's running sum of the rows computed so far ([hidden] float32); ``embedding``: the
+    # vector (float32), set when its prefill ends
     embed: bool = False
+    pooling: Pooling | None = None
+    pooled_sum: Any = None
     embedding: list[float] | None = None
     arrival_time: float = field(default_factory=time.monotonic)  # seconds, monotonic clock
     finish_time: float | None = None
@@ -133,6 +138,12 @@ class Req:
     def remaining_new_tokens(self) -> int:
         """Tokens it may still generate (max_new_tokens minus those generated)."""
         return self.params.max_new_tokens - len(self.output_ids)
+
+    @property
+    def pools_every_row(self) -> bool:
+        """An embedding request pooling every prompt position's hidden state (mean pooling):
+        it computes its whole prompt (a cached position's hidden state is not kept)."""
+        return self.embed and self.pooling is not None and self.pooling.method == "mean"
 
     @property
     def wants_input_logprobs(self) -> bool:

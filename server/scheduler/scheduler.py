@@ -49,7 +49,7 @@ from server.scheduler.draft_cost import DraftGate
 from server.scheduler.metrics import SchedulerStats, snapshot
 from server.scheduler.outputs import (
     TokenDelta,
-    record_input_logprobs,
+    record_prompt_rows,
     request_embedding,
     sample_and_append,
     set_draft,
@@ -299,8 +299,7 @@ class Scheduler:
                 deltas.append(self._verify_draft(req, rows, out.logits))
                 continue
             req.computed_len += n
-            if req.wants_input_logprobs:
-                record_input_logprobs(req, positions, rows, out.logits)
+            record_prompt_rows(req, positions, rows, out)
             if req.status is ReqStatus.PREFILLING:
                 # Prompt KV (a chunk, or the whole prompt) goes into the tree at once, so
                 # requests arriving meanwhile share it instead of recomputing it.
@@ -311,7 +310,7 @@ class Scheduler:
                 req.status = ReqStatus.RUNNING
                 self.running.append(req)
                 if req.params.max_new_tokens == 0:  # prefill-only: cache it and finish
-                    req.embedding = request_embedding(out, rows[-1]) if req.embed else None
+                    req.embedding = request_embedding(req, out, rows[-1]) if req.embed else None
                     deltas.append(self._finish(req, FinishReason("length")))
                     continue
             to_sample.append((req, rows[-1]))

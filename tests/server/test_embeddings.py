@@ -119,32 +119,77 @@ def test_other_families_embed_and_rerank_as_transformers(make_tiny_model, kind):
                    - rerank_reference(path, hf, "a question", "a text")) < 1e-4
 
 
-def test_a_model_declaring_mean_pooling_is_refused_not_misserved(make_tiny_model, tmp_path):
-    """A sentence-transformers directory (modules.json + 1_Pooling/config.json) that pools by
-    the mean: /v1/embeddings is a 400 naming the pooling; last-token pooling is served."""
+def _sentence_transformers_dir(src: str, dst, mode: str, normalize: bool) -> str:
+    """A copy of the model directory ``src`` as sentence-transformers saves one: modules.json
+    (Transformer, Pooling by ``mode``, Normalize when ``normalize``) + 1_Pooling/config.json."""
     import json
     import shutil
 
+    shutil.copytree(src, dst)
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling",
+         "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
+                        "type": "sentence_transformers.models.Normalize"})
+        (dst / "2_Normalize").mkdir()
+    (dst / "1_Pooling").mkdir()
+    (dst / "modules.json").write_text(json.dumps(modules))
+    (dst / "1_Pooling" / "config.json").write_text(json.dumps({
+        "word_embedding_dimension": 64, "pooling_mode_cls_token": False,
+        "pooling_mode_mean_tokens": mode == "mean", "pooling_mode_max_tokens": mode == "max",
+        "pooling_mode_lasttoken": mode == "lasttoken"}))
+    return str(dst)
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_a_decoder_declaring_mean_pooling_serves_the_mean(make_tiny_model, tmp_path, normalize):
+    """A sentence-transformers decoder directory pooling by the mean (with or without its
+    Normalize module): every vector equals SentenceTransformer.encode's, whatever shares the
+    pass, across chunked prefill, and after the same prompt was cached (a mean needs every
+    position's hidden state: such a request reuses no cached prefix)."""
+    from sentence_transformers import SentenceTransformer
+
+    from sgl_adapters.backends.runtime import Runtime
+
+    src, hf = make_tiny_model("llama")
+    path = _sentence_transformers_dir(src, tmp_path / "st", "mean", normalize)
+    texts = ["the quick brown fox jumps over the lazy dog " * 4, "a short one", "hello world"]
+    expected = SentenceTransformer(path, device="cpu").encode(texts, convert_to_numpy=True)
+    assert np.allclose(np.linalg.norm(expected, axis=1), 1, atol=1e-5) == normalize
+    with torch.no_grad():  # token ids: the mean of transformers' last hidden state
+        h = hf.model(torch.tensor([IDS[0]])).last_hidden_state[0].mean(0)
+    by_ids = (torch.nn.functional.normalize(h, dim=0) if normalize else h).numpy()
+    with Runtime(path, dtype="float32", max_total_tokens=2048, context_length=256,
+                 chunked_prefill_size=16, log_level="warning") as rt:
+        client = openai.OpenAI(base_url=rt.base_url + "/v1", api_key="x", max_retries=0)
+        for _ in range(2):  # the second time every prompt is in the radix tree
+            got = client.embeddings.create(model="m", input=texts, encoding_format="float")
+            for d, want in zip(got.data, expected):
+                assert np.allclose(d.embedding, want, atol=1e-4)
+        native = httpx.post(rt.base_url + "/encode", json={"input_ids": IDS[0]}).json()
+        assert native["meta_info"]["cached_tokens"] == 0
+        assert np.allclose(native["embedding"], by_ids, atol=1e-4)
+        gen = httpx.post(rt.base_url + "/v1/completions", json={
+            "prompt": texts[0], "max_tokens": 2})  # a generation beside them is unaffected
+        assert gen.status_code == 200
+
+
+def test_a_decoder_declaring_another_pooling_is_refused_not_misserved(make_tiny_model,
+                                                                       tmp_path):
+    """Max pooling on a decoder is not served: /v1/embeddings is a 400 naming the pooling
+    (last-token vectors would be wrong ones); a declared last-token pooling is served."""
     from sgl_adapters.backends.runtime import Runtime
 
     src, _ = make_tiny_model("llama")
-    for mode in ("mean", "lasttoken"):
-        path = tmp_path / mode
-        shutil.copytree(src, path)
-        (path / "1_Pooling").mkdir()
-        (path / "modules.json").write_text(json.dumps([
-            {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-            {"idx": 1, "name": "1", "path": "1_Pooling",
-             "type": "sentence_transformers.models.Pooling"}]))
-        (path / "1_Pooling" / "config.json").write_text(json.dumps({
-            "word_embedding_dimension": 64, "pooling_mode_cls_token": False,
-            "pooling_mode_mean_tokens": mode == "mean",
-            "pooling_mode_lasttoken": mode == "lasttoken"}))
-        with Runtime(str(path), dtype="float32", max_total_tokens=2048, context_length=256,
+    for mode in ("max", "lasttoken"):
+        path = _sentence_transformers_dir(src, tmp_path / mode, mode, True)
+        with Runtime(path, dtype="float32", max_total_tokens=2048, context_length=256,
                      log_level="warning") as rt:
             r = httpx.post(rt.base_url + "/v1/embeddings", json={"input": "hi"})
-            if mode == "mean":
-                assert r.status_code == 400 and "by mean" in r.json()["error"]["message"]
+            if mode == "max":
+                assert r.status_code == 400 and "by max" in r.json()["error"]["message"]
             else:
                 assert r.status_code == 200 and r.json()["data"][0]["embedding"]
 
