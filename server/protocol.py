@@ -18,6 +18,8 @@ from typing import Any, Union
 
 import msgspec
 
+from server.sampling_params import SamplingParams
+
 PROTOCOL_VERSION = 1
 
 
@@ -46,15 +48,19 @@ class ImagePart(msgspec.Struct):
 
 
 class GenerateReq(msgspec.Struct, tag=True):
-    """A tokenized, validated request. ``sampling`` holds SamplingParams fields by name."""
+    """A tokenized request, validated at admission (:mod:`server.http.admission`): the
+    scheduler trusts it. ``sampling`` travels as the SamplingParams dataclass itself (decoding
+    rebuilds it through its own checks, which what admission built always passes);
+    ``cache_salt``: the client's radix-cache salt (a LoRA adapter's namespace is added to it in
+    the scheduler, :meth:`server.engine.Engine.make_request`)."""
 
     rid: str
     input_ids: list[int]
-    sampling: dict[str, Any]
+    sampling: SamplingParams
     return_logprob: bool = False
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
-    namespace: str | None = None
+    cache_salt: str | None = None
     reasoning: ReasoningGate | None = None
     images: list[ImagePart] = []
     embed: bool = False  # an embedding request: prefill only (max_new_tokens 0), its vector back

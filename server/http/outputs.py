@@ -1,19 +1,16 @@
 """What the tokenizer manager does to a request's outputs on their way to the handler:
 merge a backlog of steps into one chunk (:func:`coalesce`), fill in the text and cut it at a
-stop string (:func:`with_text`), and the SamplingParams as the scheduler receives them
-(:func:`params_dict`)."""
+stop string (:func:`with_text`)."""
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 from typing import Any
 
 import msgspec
 
 from server import protocol as P
 from server.detokenizer import OutputText
-from server.sampling_params import SamplingParams
 
 _MERGED_LISTS = ("new_token_ids", "output_token_logprobs", "output_top_logprobs",
                  "input_token_logprobs", "input_top_logprobs")
@@ -55,11 +52,3 @@ def with_text(item: P.ReqOutput, text: OutputText) -> tuple[P.ReqOutput, str | N
         output_token_logprobs=item.output_token_logprobs[:kept],
         output_top_logprobs=item.output_top_logprobs[:kept]), stop
 
-
-def params_dict(params: SamplingParams) -> dict[str, Any]:
-    """``params`` as the plain dict GenerateReq carries to the scheduler (tuples as lists,
-    logit_bias keyed by token id strings)."""
-    d = dataclasses.asdict(params)
-    d["logit_bias"] = {str(k): v for k, v in params.logit_bias}
-    d["stop"], d["stop_token_ids"] = list(params.stop), list(params.stop_token_ids)
-    return d

@@ -27,7 +27,7 @@ import zmq.asyncio
 from server import protocol as P
 from server.detokenizer import OutputText, StopRegexTimeout
 from server.http.errors import ApiError
-from server.http.outputs import coalesce, params_dict, with_text
+from server.http.outputs import coalesce, with_text
 from server.multimodal import ImageError, VisionSpec, expand_prompt_images, image_bytes
 from server.reasoning import ReasoningParser
 from server.sampling_params import SamplingParams, SamplingParamsError
@@ -49,7 +49,7 @@ class GenerateInput:
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     rid: str | None = None
-    namespace: str | None = None
+    cache_salt: str | None = None  # its own radix-cache namespace (the client's cache_salt)
     # where the output starts when reasoning is split (server.reasoning): "maybe", "reasoning"
     reasoning_state: str | None = None  # or "off"; None = the text is not split
     # (offset, radix key, encoded bytes) per image, ids already expanded (server.multimodal)
@@ -323,9 +323,9 @@ class TokenizerManager:
         start = began = time.perf_counter()
         try:
             await self.send_sock.send(P.encode(P.GenerateReq(
-                rid=rid, input_ids=inp.input_ids, sampling=params_dict(inp.params),
+                rid=rid, input_ids=inp.input_ids, sampling=inp.params,
                 return_logprob=inp.return_logprob, logprob_start_len=inp.logprob_start_len,
-                top_logprobs_num=inp.top_logprobs_num, namespace=inp.namespace,
+                top_logprobs_num=inp.top_logprobs_num, cache_salt=inp.cache_salt,
                 reasoning=self._gate(inp),
                 images=[P.ImagePart(o, k, d) for o, k, d in inp.images], embed=inp.embed,
                 lora=inp.lora, priority=inp.priority)))

@@ -113,7 +113,7 @@ class SchedulerLoop:
         preprocessed yet, is parked until they are: both run on worker threads, so other
         requests keep decoding meanwhile."""
         try:
-            params = SamplingParams.from_dict(msg.sampling)
+            params = msg.sampling
             grammar = self.engine.grammars.compile_async(params.grammar) \
                 if params.grammar is not None else None
         except _REFUSED as exc:
@@ -154,7 +154,7 @@ class SchedulerLoop:
             req = self.engine.make_request(
                 msg.input_ids, params, LogprobOptions(msg.return_logprob, msg.logprob_start_len,
                                                       msg.top_logprobs_num),
-                rid=msg.rid, cache_salt=msg.namespace, reasoning=msg.reasoning,
+                rid=msg.rid, cache_salt=msg.cache_salt, reasoning=msg.reasoning,
                 images=[(im.offset, im.key, im.data) for im in msg.images], pixels=pixels,
                 embed=msg.embed, lora=msg.lora, priority=msg.priority)
             self.engine.scheduler.add_request(req)

@@ -72,8 +72,8 @@ def finished(rid):
 def test_garbage_is_dropped_and_serving_goes_on(loop):
     lp, to_loop, from_loop = loop
     to_loop.send(b"\x93garbage")
-    to_loop.send(P.encode(P.GenerateReq("ok", [5, 6, 7], {"max_new_tokens": 3,
-                                                          "temperature": 0})))
+    to_loop.send(P.encode(P.GenerateReq("ok", [5, 6, 7], SamplingParams(max_new_tokens=3,
+                                                                        temperature=0))))
     msgs = run_until(lp, from_loop, finished("ok"))
     outs = [o for m in msgs if isinstance(m, P.BatchOutput) for o in m.outputs]
     assert sum(len(o.new_token_ids) for o in outs) == 3
@@ -82,12 +82,14 @@ def test_garbage_is_dropped_and_serving_goes_on(loop):
 
 def test_refused_request_gets_an_error_and_aborts_end_requests(loop):
     lp, to_loop, from_loop = loop
-    to_loop.send(P.encode(P.GenerateReq("bad", [5], {"temperature": -1})))
+    # a request the scheduler can never run (its sampling parameters cannot even be built
+    # invalid: SamplingParams checks itself, on both sides of the socket)
+    to_loop.send(P.encode(P.GenerateReq("bad", [5], SamplingParams(max_new_tokens=10**6))))
     msgs = run_until(lp, from_loop, lambda ms: any(isinstance(m, P.ReqError) for m in ms))
     err = next(m for m in msgs if isinstance(m, P.ReqError))
-    assert err.rid == "bad" and err.param == "temperature" and err.status == 400
-    to_loop.send(P.encode(P.GenerateReq("long", [5, 6], {"max_new_tokens": 400,
-                                                         "ignore_eos": True})))
+    assert err.rid == "bad" and err.param == "max_new_tokens" and err.status == 400
+    to_loop.send(P.encode(P.GenerateReq("long", [5, 6], SamplingParams(max_new_tokens=400,
+                                                                       ignore_eos=True))))
     run_until(lp, from_loop, lambda ms: lp.engine.scheduler.running)
     to_loop.send(P.encode(P.AbortReq("long")))
     msgs = run_until(lp, from_loop, finished("long"))
@@ -104,11 +106,11 @@ def test_a_failing_batch_ends_only_its_requests(loop, monkeypatch):
     requests with finish reason "error"; the loop keeps serving later requests."""
     lp, to_loop, from_loop = loop
     monkeypatch.setattr(lp.engine.runner, "forward", failing_once(lp.engine.runner.forward))
-    to_loop.send(P.encode(P.GenerateReq("doomed", [5, 6], {"max_new_tokens": 4})))
+    to_loop.send(P.encode(P.GenerateReq("doomed", [5, 6], SamplingParams(max_new_tokens=4))))
     msgs = run_until(lp, from_loop, finished("doomed"))
     last = [o for m in msgs if isinstance(m, P.BatchOutput) for o in m.outputs][-1]
     assert last.finish_reason["type"] == "error" and "simulated" in last.finish_reason["message"]
-    to_loop.send(P.encode(P.GenerateReq("fine", [5, 6], {"max_new_tokens": 4})))
+    to_loop.send(P.encode(P.GenerateReq("fine", [5, 6], SamplingParams(max_new_tokens=4))))
     msgs = run_until(lp, from_loop, finished("fine"))
     last = [o for m in msgs if isinstance(m, P.BatchOutput) for o in m.outputs][-1]
     assert last.finish_reason["type"] == "length"
@@ -123,20 +125,20 @@ def test_a_costly_grammar_compiles_without_stalling_other_requests(loop):
     busy 2-core CI machine missed at 0.56 s), and the constrained request
     then runs (and a second identical one hits the compile cache)."""
     lp, to_loop, from_loop = loop
-    slow = {"max_new_tokens": 3, "temperature": 0, "regex": "(.{0,20000})x"}
+    slow = SamplingParams(max_new_tokens=3, temperature=0, regex="(.{0,20000})x")
     to_loop.send(P.encode(P.GenerateReq("slow", [5, 6], slow)))
-    to_loop.send(P.encode(P.GenerateReq("plain", [7, 8], {"max_new_tokens": 3,
-                                                          "temperature": 0})))
+    to_loop.send(P.encode(P.GenerateReq("plain", [7, 8], SamplingParams(max_new_tokens=3,
+                                                                        temperature=0))))
     order, longest, total = run_timed(lp, from_loop, 2)
     # blocking on the compile would make one iteration nearly the whole run; a busy 2-core
     # machine stretches every iteration, so the bound is relative to the run
     assert order == ["plain", "slow"] and longest < total / 2, (order, longest, total)
-    assert lp.engine.grammars.compile_async(SamplingParams.from_dict(slow).grammar).done()
+    assert lp.engine.grammars.compile_async(slow.grammar).done()
 
 
 def test_an_aborted_request_waiting_for_its_grammar_is_dropped(loop):
     lp, to_loop, from_loop = loop
-    to_loop.send(P.encode(P.GenerateReq("g", [5], {"regex": "(.{0,15000})y"})))
+    to_loop.send(P.encode(P.GenerateReq("g", [5], SamplingParams(regex="(.{0,15000})y"))))
     lp.run_once()
     assert "g" in lp.preparing
     to_loop.send(P.encode(P.AbortReq("g")))
@@ -169,10 +171,10 @@ def test_image_preprocessing_does_not_stall_other_requests(llava_loop):
     lp.engine.images.preprocess(images)
     cost = time.perf_counter() - start
     to_loop.send(P.encode(P.GenerateReq(
-        "img", prompt, {"max_new_tokens": 3, "temperature": 0},
+        "img", prompt, SamplingParams(max_new_tokens=3, temperature=0),
         images=[P.ImagePart(offset, key, data) for offset, key, data in parts])))
-    to_loop.send(P.encode(P.GenerateReq("plain", [7, 8], {"max_new_tokens": 3,
-                                                          "temperature": 0})))
+    to_loop.send(P.encode(P.GenerateReq("plain", [7, 8], SamplingParams(max_new_tokens=3,
+                                                                        temperature=0))))
     lp.run_once()
     lp.run_once()
     assert "img" in lp.preparing and "plain" in lp.live

@@ -7,10 +7,14 @@ import msgspec
 import pytest
 
 from server import protocol as P
+from server.sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize("msg", [
-    P.GenerateReq("r1", [1, 2, 3], {"max_new_tokens": 4, "stop": ["x"]}, True, 0, 2, "salt"),
+    P.GenerateReq("r1", [1, 2, 3], SamplingParams(max_new_tokens=4, stop=["x"]), True, 0, 2,
+                  "salt"),
+    P.GenerateReq("r2", [1], SamplingParams(temperature=0.5, logit_bias={"7": -1.5}, seed=3,
+                                            stop_regex="a+", json_schema={"type": "integer"})),
     P.AbortReq("r1"), P.FlushCacheReq(), P.ServerInfoReq(),
     P.Ready("m", 100, 512, 4096, "float32", "bfloat16"),
     P.BatchOutput([P.ReqOutput("r1", [5], "hi", {"type": "stop", "matched": 2}, 3, 1, 0,
@@ -29,6 +33,16 @@ def test_round_trip(msg):
 ])
 def test_garbage_and_foreign_frames_are_rejected(frame):
     with pytest.raises(P.ProtocolError):
+        P.decode(frame)
+
+
+def test_a_request_whose_sampling_parameters_are_invalid_is_not_a_message():
+    """SamplingParams checks itself when a frame is decoded too: a hand-made frame with a
+    negative temperature never reaches the scheduler as a request."""
+    frame = msgspec.msgpack.encode({"v": P.PROTOCOL_VERSION, "msg": {
+        "type": "GenerateReq", "rid": "x", "input_ids": [1],
+        "sampling": {"temperature": -1.0}}})
+    with pytest.raises(P.ProtocolError, match="temperature"):
         P.decode(frame)
 
 
