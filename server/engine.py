@@ -29,6 +29,7 @@ from server.cache.manager import CacheManager
 from server.cache.radix_tree import RadixCache
 from server.cache.req_table import ReqToTokenTable
 from server.cache.tiers import build_tiers
+from server.chat_template import render_chat
 from server.config import DEFAULT_NGRAM_TOKENS, ConfigError, EngineConfig
 from server.constrained.grammar import GrammarCompiler
 from server.constrained.reasoning_gate import ReasoningGatedMatcher
@@ -203,11 +204,13 @@ class Engine:
         return ids
 
     # ---------------------------------------------------------------- helpers
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]],
-                            add_generation_prompt: bool = True) -> str:
-        """Render chat messages with the model's own template (text, not tokens)."""
-        return self.tokenizer.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
+                            add_generation_prompt: bool = True, tools: list[dict] | None = None,
+                            template_kwargs: Mapping[str, Any] | None = None) -> str:
+        """Render chat messages with the model's own template (text, not tokens), as the
+        server does (:func:`server.chat_template.render_chat`). Raises ChatTemplateError."""
+        return render_chat(self.tokenizer, messages, add_generation_prompt, tools,
+                           template_kwargs)
 
     def encode(self, text: str) -> list[int]:
         """Tokenize a prompt (the tokenizer's own special-token rules, e.g. a BOS)."""

@@ -25,6 +25,7 @@ import zmq
 import zmq.asyncio
 
 from server import protocol as P
+from server.chat_template import ChatTemplateError, render_chat
 from server.detokenizer import OutputText, StopRegexTimeout
 from server.http.errors import ApiError
 from server.http.outputs import coalesce, with_text
@@ -241,20 +242,14 @@ class TokenizerManager:
     def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None,
                             template_kwargs: dict[str, Any] | None = None) -> list[int]:
-        """Token ids of the rendered conversation; ``template_kwargs`` become template
-        variables (e.g. Qwen3's ``enable_thinking``). Raises ApiError."""
-        extra = dict(template_kwargs or {})
-        for name in ("conversation", "tokenize", "add_generation_prompt", "tools", "messages"):
-            if name in extra:
-                raise ApiError(400, f"chat_template_kwargs may not set {name!r}",
-                               param="chat_template_kwargs")
+        """Token ids of the rendered conversation (:func:`server.chat_template.render_chat`);
+        ``template_kwargs`` become template variables (e.g. Qwen3's ``enable_thinking``).
+        Raises ApiError."""
         try:
-            text = self.tokenizer.apply_chat_template(
-                list(messages), tokenize=False, add_generation_prompt=add_generation_prompt,
-                **({"tools": tools} if tools else {}), **extra)
-        except Exception as exc:  # a template that rejects the conversation (e.g. roles)
-            raise ApiError(400, f"the chat template rejected these messages: {exc}",
-                           param="messages") from exc
+            text = render_chat(self.tokenizer, messages, add_generation_prompt, tools,
+                               template_kwargs)
+        except ChatTemplateError as exc:
+            raise ApiError(400, str(exc), param=exc.param) from exc
         return self.encode(text, param="messages")
 
     def reasoning_state(self, prompt_ids: Sequence[int]) -> str | None:
