@@ -45,6 +45,7 @@ from server.model.tp_worker import RankZero
 from server.multimodal import vision_spec
 from server.resolve import resolve
 from server.scheduler.outputs import TokenDelta, native_output
+from server.scheduler.pending import PendingRequests
 from server.scheduler.request import LogprobOptions, Req
 from server.scheduler.scheduler import Scheduler
 from server.scheduler.validation import InvalidRequestError
@@ -124,6 +125,9 @@ class Engine:
         self._grammars_lock = threading.Lock()
         self.images = EngineImages(vision_spec(loaded.vision) if loaded.vision is not None
                                    else None, loaded.path, loaded.tokenizer.bos_token_id)
+        # the scheduler process's requests waiting for a grammar compile or their images
+        self.pending = PendingRequests(self.make_request, self.scheduler.add_request,
+                                       lambda: self.grammars, self.images.preprocess_async)
         self.vision_spec = self.images.spec
         if self.runner.compiled:
             self._warm_up()
@@ -300,7 +304,7 @@ class Engine:
         for p in prompts:
             for i in range(params.n):
                 seeded = params if params.seed is None or params.n == 1 else \
-                    _replace_seed(params, params.seed + i)
+                    dataclasses.replace(params, seed=params.seed + i, n=1)
                 reqs.append(self.make_request(p, seeded, lp, cache_salt=cache_salt,
                                               images=images, lora=lora))
         outputs = self.run(reqs)
@@ -391,7 +395,3 @@ class Engine:
                 empty += 1
                 if empty > 1:
                     raise RuntimeError("scheduler has queued work but cannot schedule it")
-
-
-def _replace_seed(params: SamplingParams, seed: int) -> SamplingParams:
-    return dataclasses.replace(params, seed=seed, n=1)

@@ -11,7 +11,6 @@ in ServerInfoReply), never fatal.
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import os
 import signal
@@ -23,19 +22,15 @@ import zmq
 
 from server import protocol as P
 from server.config import EngineConfig
-from server.constrained.grammar import COMPILE_TIMEOUT_S, GrammarCompiler
-from server.constrained.spec import GrammarError
 from server.engine import Engine
 from server.model.lora_files import LoraError
 from server.model.lora_registry import LoraBusyError
-from server.sampling_params import SamplingParams, SamplingParamsError
 from server.scheduler.outputs import TokenDelta
+from server.scheduler.pending import REFUSALS
 from server.scheduler.request import LogprobOptions, Req
-from server.scheduler.validation import InvalidRequestError
 
 log = logging.getLogger("server.scheduler")
 
-_REFUSED = (InvalidRequestError, SamplingParamsError, GrammarError)  # answered with ReqError
 IDLE_POLL_MS = 50
 COMPILE_POLL_MS = 5  # idle poll while grammars compile or images are preprocessed
 INVARIANT_CHECK_EVERY = 64  # steps
@@ -58,9 +53,6 @@ class SchedulerLoop:
         self.recv = recv
         self.send = send
         self.live: dict[str, tuple[Req, _Sent]] = {}
-        # rid -> (message, params, grammar future or None, pixels future or None, parked
-        # since): waiting for its grammar to compile and its images to be preprocessed
-        self.preparing: dict[str, tuple] = {}
         self.invariant_violations = 0
         self.steps = 0
         self.stopping = False  # set by SIGTERM: leave the loop, persist the cache, exit
@@ -71,8 +63,8 @@ class SchedulerLoop:
         if isinstance(msg, P.GenerateReq):
             self._add(msg)
         elif isinstance(msg, P.AbortReq):
-            if self.preparing.pop(msg.rid, None) is not None:
-                return  # parked, never queued: nothing to free
+            if self.engine.pending.drop(msg.rid):
+                return  # never queued: nothing to free
             delta = (sched.stop(msg.rid, msg.stop) if msg.stop is not None
                      else sched.abort(msg.rid, msg.message))
             if delta is not None:
@@ -95,7 +87,7 @@ class SchedulerLoop:
         try:
             if isinstance(msg, P.LoadLoraReq):
                 engine.load_lora(msg.name, msg.path)
-            elif any(parked[0].lora == msg.name for parked in self.preparing.values()):
+            elif self.engine.pending.uses_adapter(msg.name):
                 raise LoraBusyError(f"adapter {msg.name!r} has requests in flight; unload it "
                                     "when they finish")  # parked for a grammar or images
             else:
@@ -109,65 +101,35 @@ class SchedulerLoop:
                            status=status)
 
     def _add(self, msg: P.GenerateReq) -> None:
-        """Queue a request. One whose grammar is not compiled yet, or whose images are not
-        preprocessed yet, is parked until they are: both run on worker threads, so other
-        requests keep decoding meanwhile."""
+        """Queue a request, or leave it with the engine's pending requests until its grammar
+        compiles and its images are preprocessed (:mod:`server.scheduler.pending`: on worker
+        threads, so other requests keep decoding meanwhile)."""
         try:
-            params = msg.sampling
-            grammar = self.engine.grammars.compile_async(params.grammar) \
-                if params.grammar is not None else None
-        except _REFUSED as exc:
+            req = self.engine.pending.submit(
+                msg.rid, msg.input_ids, msg.sampling,
+                [(im.offset, im.key, im.data) for im in msg.images],
+                logprobs=LogprobOptions(msg.return_logprob, msg.logprob_start_len,
+                                        msg.top_logprobs_num),
+                cache_salt=msg.cache_salt, reasoning=msg.reasoning, embed=msg.embed,
+                lora=msg.lora, priority=msg.priority)
+        except REFUSALS as exc:
             return self._refuse(msg.rid, exc)
-        pixels = self.engine.images.preprocess_async([im.data for im in msg.images]) \
-            if msg.images else None
-        if (grammar is not None and not grammar.done()) or pixels is not None:
-            self.preparing[msg.rid] = (msg, params, grammar, pixels, time.monotonic())
-            return
-        self._admit(msg, params)
+        if req is not None:
+            self.live[msg.rid] = (req, _Sent())
 
-    def _admit_prepared(self) -> None:
-        """Admit parked requests whose grammar and images are ready; refuse those whose
-        compile or preprocessing failed or ran over the budget (a compile is left to finish
-        and be cached)."""
-        now = time.monotonic()
-        for rid, (msg, params, grammar, pixels, since) in list(self.preparing.items()):
-            ready = all(f is None or f.done() for f in (grammar, pixels))
-            if not (ready or now - since > COMPILE_TIMEOUT_S):
-                continue
-            del self.preparing[rid]
-            try:
-                if grammar is not None:
-                    GrammarCompiler.result(grammar, params.grammar, timeout=0)
-                values = pixels.result(timeout=0) if pixels is not None else None
-            except concurrent.futures.TimeoutError:
-                self._refuse(rid, InvalidRequestError(
-                    "image_data", f"preprocessing the images took over {COMPILE_TIMEOUT_S:.0f} s"))
-                continue
-            except _REFUSED as exc:
-                self._refuse(rid, exc)
-                continue
-            self._admit(msg, params, values)
-
-    def _admit(self, msg: P.GenerateReq, params: SamplingParams,
-               pixels: list | None = None) -> None:
-        try:
-            req = self.engine.make_request(
-                msg.input_ids, params, LogprobOptions(msg.return_logprob, msg.logprob_start_len,
-                                                      msg.top_logprobs_num),
-                rid=msg.rid, cache_salt=msg.cache_salt, reasoning=msg.reasoning,
-                images=[(im.offset, im.key, im.data) for im in msg.images], pixels=pixels,
-                embed=msg.embed, lora=msg.lora, priority=msg.priority)
-            self.engine.scheduler.add_request(req)
-        except _REFUSED as exc:
-            return self._refuse(msg.rid, exc)
-        self.live[msg.rid] = (req, _Sent())
+    def _admit_pending(self) -> None:
+        for rid, result in self.engine.pending.admit_ready():
+            if isinstance(result, Req):
+                self.live[rid] = (result, _Sent())
+            else:
+                self._refuse(rid, result)
 
     def _refuse(self, rid: str, exc: Exception) -> None:
         self.send.send(P.encode(P.ReqError(rid, str(exc), getattr(exc, "param", None),
                                            getattr(exc, "status", 400))))
 
     def _drain(self, block: bool) -> None:
-        if block and not self.recv.poll(COMPILE_POLL_MS if self.preparing else IDLE_POLL_MS):
+        if block and not self.recv.poll(COMPILE_POLL_MS if self.engine.pending else IDLE_POLL_MS):
             return
         while True:
             try:
@@ -220,8 +182,8 @@ class SchedulerLoop:
         ready, run one :meth:`Engine.step` and send its outputs."""
         sched = self.engine.scheduler
         self._drain(block=not sched.has_work)
-        if self.preparing:
-            self._admit_prepared()
+        if self.engine.pending:
+            self._admit_pending()
         if not sched.has_work:
             return
         deltas = self.engine.step()  # a failing batch ends with errors inside it

@@ -140,10 +140,10 @@ def test_an_aborted_request_waiting_for_its_grammar_is_dropped(loop):
     lp, to_loop, from_loop = loop
     to_loop.send(P.encode(P.GenerateReq("g", [5], SamplingParams(regex="(.{0,15000})y"))))
     lp.run_once()
-    assert "g" in lp.preparing
+    assert "g" in lp.engine.pending
     to_loop.send(P.encode(P.AbortReq("g")))
     lp.run_once()
-    assert "g" not in lp.preparing and not lp.engine.scheduler.has_work
+    assert "g" not in lp.engine.pending and not lp.engine.scheduler.has_work
 
 
 @pytest.fixture
@@ -177,7 +177,19 @@ def test_image_preprocessing_does_not_stall_other_requests(llava_loop):
                                                                         temperature=0))))
     lp.run_once()
     lp.run_once()
-    assert "img" in lp.preparing and "plain" in lp.live
+    assert "img" in lp.engine.pending and "plain" in lp.live
     finished, longest, _ = run_timed(lp, from_loop, 2)
-    assert sorted(finished) == ["img", "plain"] and not lp.preparing
+    assert sorted(finished) == ["img", "plain"] and not lp.engine.pending
     assert longest < cost / 2, (longest, cost)
+
+
+def test_a_grammar_that_fails_to_compile_is_refused_by_rid(loop):
+    """An EBNF grammar's syntax is checked when it compiles (on a worker thread): the parked
+    request is refused with a ReqError naming the field, and nothing stays pending."""
+    lp, to_loop, from_loop = loop
+    to_loop.send(P.encode(P.GenerateReq("ebnf", [5], SamplingParams(
+        max_new_tokens=3, ebnf="root ::= ( unclosed"))))
+    msgs = run_until(lp, from_loop, lambda ms: any(isinstance(m, P.ReqError) for m in ms))
+    err = next(m for m in msgs if isinstance(m, P.ReqError))
+    assert err.rid == "ebnf" and err.param == "ebnf" and err.status == 400
+    assert not lp.engine.pending and "ebnf" not in lp.live
