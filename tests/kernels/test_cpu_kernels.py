@@ -383,3 +383,34 @@ def test_sample_tempered_never_draws_a_masked_id_and_ignores_the_batch():
             assert op(x[r:r + 1], inv_t[r:r + 1], min_p[r:r + 1], u[r:r + 1]).item() == ids[r]
     with pytest.raises(RuntimeError, match="float32|float64"):
         op(torch.randn(2, 8), torch.ones(2), torch.zeros(2), torch.rand(2))
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("widths", [(64,), (37, 8, 8), (96, 45)])
+def test_lora_sgmv_adds_each_rows_own_adapter_and_ignores_the_batch(dtype, widths):
+    """lora_sgmv_ adds B_s A_s x to each row with slot s (parts side by side, widths that are
+    not multiples of the 8- and 32-column blocks included) and leaves slot -1 rows as they
+    were; a row's result is bitwise the same alone as among others."""
+    g = torch.Generator().manual_seed(0)
+    slots_n, rank, k, rows = 3, 4, 40, 7
+    parts = len(widths)
+    a = (torch.randn(slots_n * parts * rank, k, generator=g) / 4).to(dtype)
+    bt = [(torch.randn(slots_n * rank, w, generator=g) / 4).to(dtype) for w in widths]
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    y0 = torch.randn(rows, sum(widths), generator=g).to(dtype)
+    slots = torch.tensor([2, -1, 0, 2, 1, -1, 0])
+    y = y0.clone()
+    torch.ops.sgl_cpu.lora_sgmv_(y, x, slots, a, bt, rank)
+    for t, s in enumerate(slots.tolist()):
+        if s < 0:
+            assert torch.equal(y[t], y0[t])
+            continue
+        h = a.float()[s * parts * rank:(s + 1) * parts * rank] @ x[t].float()
+        add = torch.cat([h[p * rank:(p + 1) * rank] @ bt[p].float()[s * rank:(s + 1) * rank]
+                         for p in range(parts)])
+        want = y0[t].float() + add
+        assert torch.allclose(y[t].float(), want, atol=2e-2 if dtype == torch.bfloat16 else 1e-5)
+        alone = y0[t:t + 1].clone()
+        torch.ops.sgl_cpu.lora_sgmv_(alone, x[t:t + 1].contiguous(), slots[t:t + 1], a, bt, rank)
+        assert torch.equal(alone[0], y[t])
