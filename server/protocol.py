@@ -211,3 +211,16 @@ def decode(frame: bytes) -> Message:
     if env.v != PROTOCOL_VERSION:
         raise ProtocolError(f"protocol version {env.v}, expected {PROTOCOL_VERSION}")
     return env.msg
+
+
+def refused_request_id(frame: bytes) -> str | None:
+    """The ``rid`` of a GenerateReq frame that :func:`decode` refused, read without the types
+    (so its client gets an error instead of waiting), or None when the frame is not one."""
+    try:
+        msg = msgspec.msgpack.decode(frame).get("msg")
+    except (msgspec.DecodeError, AttributeError):
+        return None
+    if not isinstance(msg, dict) or msg.get("type") != "GenerateReq":
+        return None
+    rid = msg.get("rid")
+    return rid if isinstance(rid, str) else None

@@ -5,8 +5,9 @@ process over two ZeroMQ PUSH/PULL sockets carrying :mod:`server.protocol` messag
 
 Isolation: a request the scheduler refuses gets a ReqError; a failure while running a batch ends
 only that batch's requests (finish reason "error" with the message) and the loop goes on; an
-undecodable frame is logged and dropped. Invariant violations are logged and counted (reported
-in ServerInfoReply), never fatal.
+undecodable frame is logged and dropped (answered with a 500 ReqError when it names a
+request). Invariant violations are logged and counted (reported in ServerInfoReply), never
+fatal.
 """
 
 from __future__ import annotations
@@ -140,6 +141,10 @@ class SchedulerLoop:
                 msg = P.decode(frame)
             except P.ProtocolError as exc:
                 log.warning("dropped a bad frame: %s", exc)
+                rid = P.refused_request_id(frame)
+                if rid is not None:  # a request after all: answer it, never leave it waiting
+                    self.send.send(P.encode(P.ReqError(
+                        rid, f"the scheduler could not read this request: {exc}", status=500)))
                 continue
             self._handle(msg)
 

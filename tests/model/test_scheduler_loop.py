@@ -80,6 +80,23 @@ def test_garbage_is_dropped_and_serving_goes_on(loop):
     assert outs[-1].finish_reason == {"type": "length"} and outs[-1].prompt_tokens == 3
 
 
+def test_a_request_frame_that_does_not_decode_is_answered_by_rid(loop):
+    """A GenerateReq frame whose sampling parameters fail their checks on this side (admission
+    never sends one: a fault we cause by hand) is answered with a 500 ReqError for its rid
+    rather than dropped with its client left waiting; serving goes on."""
+    import msgspec
+
+    lp, to_loop, from_loop = loop
+    to_loop.send(msgspec.msgpack.encode({"v": P.PROTOCOL_VERSION, "msg": {
+        "type": "GenerateReq", "rid": "odd", "input_ids": [5],
+        "sampling": {"temperature": -1.0}}}))
+    msgs = run_until(lp, from_loop, lambda ms: any(isinstance(m, P.ReqError) for m in ms))
+    err = next(m for m in msgs if isinstance(m, P.ReqError))
+    assert err.rid == "odd" and err.status == 500 and "temperature" in err.message
+    to_loop.send(P.encode(P.GenerateReq("after", [5, 6], SamplingParams(max_new_tokens=2))))
+    run_until(lp, from_loop, finished("after"))
+
+
 def test_refused_request_gets_an_error_and_aborts_end_requests(loop):
     lp, to_loop, from_loop = loop
     # a request the scheduler can never run (its sampling parameters cannot even be built

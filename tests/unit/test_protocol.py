@@ -44,6 +44,15 @@ def test_a_request_whose_sampling_parameters_are_invalid_is_not_a_message():
         "sampling": {"temperature": -1.0}}})
     with pytest.raises(P.ProtocolError, match="temperature"):
         P.decode(frame)
+    assert P.refused_request_id(frame) == "x"  # so the scheduler can still answer it
+
+
+@pytest.mark.parametrize("frame", [b"", b"\x00\x01garbage", msgspec.msgpack.encode([1, 2]),
+                                   P.encode(P.AbortReq("r1")),
+                                   msgspec.msgpack.encode({"msg": {"type": "GenerateReq",
+                                                                   "rid": 5}})])
+def test_only_a_request_frame_with_a_string_rid_has_a_refused_request_id(frame):
+    assert P.refused_request_id(frame) is None
 
 
 def test_stream_outputs_coalesce_until_an_error_or_the_finish():
