@@ -40,6 +40,7 @@ from server.model.build import build_runner, encoder_engine_config
 from server.model.loader import load_model
 from server.model.lora_files import LoraError
 from server.model.lora_registry import LoraRegistry, slot_shape
+from server.model.pooling import unserved
 from server.model.sampling import Sampler, SamplingParams
 from server.model.tp_worker import RankZero
 from server.multimodal import vision_spec
@@ -125,7 +126,6 @@ class Engine:
         self._grammars_lock = threading.Lock()
         self.images = EngineImages(vision_spec(loaded.vision) if loaded.vision is not None
                                    else None, loaded.path, loaded.tokenizer.bos_token_id)
-        # the scheduler process's requests waiting for a grammar compile or their images
         self.pending = PendingRequests(self.make_request, self.scheduler.add_request,
                                        lambda: self.grammars, self.images.preprocess_async)
         self.vision_spec = self.images.spec
@@ -243,6 +243,8 @@ class Engine:
         take or an adapter not loaded (status 404)."""
         if embed and params.max_new_tokens:
             raise InvalidRequestError("max_new_tokens", "an embedding request generates nothing")
+        if embed and self.arch.encoder is None and unserved(self.arch.pooling):
+            raise InvalidRequestError("model", unserved(self.arch.pooling))
         if self.arch.embedding_only and (params.max_new_tokens or logprobs.return_logprob):
             raise InvalidRequestError("model", f"{self.model_name} is an embedding model (no LM "
                                       "head): it serves /v1/embeddings and /encode")

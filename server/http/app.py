@@ -29,7 +29,6 @@ from server.http.drain import Drain, DrainGate
 from server.http.errors import ApiError, api_error_response, error_response
 from server.http.responses_items import ResponseStore
 from server.http.tokenizer_manager import TokenizerManager
-from server.model.files import sentence_transformers_pooling
 
 
 class BodySizeLimit:
@@ -95,9 +94,6 @@ def create_app(manager: TokenizerManager, *, model_name: str, model_path: str | 
     app.state.manager = manager
     app.state.model_name = model_name
     app.state.model_path = model_path
-    # a sentence-transformers directory's declared pooling (embedding_routes refuses embeddings
-    # when the scheduler serves another: server.model.pooling)
-    app.state.pooling = sentence_transformers_pooling(model_path) if model_path else None
     app.state.server_args = server_args or {}
     app.state.metrics = ops_routes.ServerMetrics()
     app.state.response_store = ResponseStore(responses_store_size)

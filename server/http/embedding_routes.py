@@ -45,19 +45,12 @@ router = APIRouter()
 
 
 def _check_pooling(request: Request) -> None:
-    """400 unless the model serves embeddings as it declares them: a cross-encoder reranker
-    serves /v1/rerank instead, and a sentence-transformers directory whose ``modules.json``
-    pools otherwise than the model is served (a decoder's max or CLS pooling) would get wrong
-    vectors (:mod:`server.model.pooling`)."""
-    info = manager_of(request).info
-    if info.num_labels:
+    """400 for a cross-encoder reranker (it serves /v1/rerank instead). A decoder whose
+    ``modules.json`` declares a pooling not served is refused by the engine core, for every
+    request (:func:`server.model.pooling.unserved`)."""
+    if manager_of(request).info.num_labels:
         raise ApiError(400, "this model is a cross-encoder reranker: it serves /v1/rerank and "
                        "/score, not embeddings", param="model")
-    pooling = request.app.state.pooling
-    if pooling not in (None, info.pooling):
-        raise ApiError(400, f"this model pools its embeddings by {pooling} "
-                       "(sentence-transformers' modules.json); the server serves "
-                       f"{info.pooling} pooling for it", param="model")
 
 
 async def embed_inputs(request: Request, inputs: list[GenerateInput]) -> list[Any]:

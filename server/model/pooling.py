@@ -9,8 +9,8 @@ Served poolings: "lasttoken" and "mean" on decoders (Qwen3-Embedding, e5-mistral
 pool by the last token; mean pooling needs every prompt position's hidden state, so such a
 request computes its whole prompt: no cached prefix), "cls", "mean" and "lasttoken" on encoders
 (:mod:`server.model.bert`). A decoder directory declaring another pooling (max, CLS: a causal
-model's first position sees nothing else) keeps "lasttoken" here, and the embedding routes
-refuse it by comparing the declared pooling with :attr:`Pooling.method`.
+model's first position sees nothing else) keeps it in :attr:`Pooling.method`, and its embedding
+requests are refused (:func:`unserved`) rather than given last-token vectors.
 """
 
 from __future__ import annotations
@@ -56,7 +56,15 @@ def declared_pooling(path: str | None, default: str) -> tuple[str, bool]:
 
 
 def decoder_pooling(path: str | None) -> Pooling:
-    """A decoder's :class:`Pooling`: the declared one where served (:data:`DECODER_POOLINGS`),
-    else last-token (the routes then refuse embeddings: see the module docstring)."""
-    method, normalize = declared_pooling(path, "lasttoken")
-    return Pooling(method if method in DECODER_POOLINGS else "lasttoken", normalize)
+    """A decoder's :class:`Pooling`, as declared (possibly one not served: :func:`unserved`)."""
+    return Pooling(*declared_pooling(path, "lasttoken"))
+
+
+def unserved(pooling: Pooling) -> str | None:
+    """Why a decoder's embeddings cannot be served with ``pooling`` (a refusal's message), or
+    None when they can (:data:`DECODER_POOLINGS`)."""
+    if pooling.method in DECODER_POOLINGS:
+        return None
+    return (f"this model pools its embeddings by {pooling.method} (sentence-transformers' "
+            f"modules.json); decoder models are served with {' or '.join(DECODER_POOLINGS)} "
+            "pooling")

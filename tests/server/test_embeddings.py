@@ -179,12 +179,20 @@ def test_a_decoder_declaring_mean_pooling_serves_the_mean(make_tiny_model, tmp_p
 def test_a_decoder_declaring_another_pooling_is_refused_not_misserved(make_tiny_model,
                                                                        tmp_path):
     """Max pooling on a decoder is not served: /v1/embeddings is a 400 naming the pooling
-    (last-token vectors would be wrong ones); a declared last-token pooling is served."""
+    (last-token vectors would be wrong ones), and so is Engine.embed (the engine core refuses
+    it); a declared last-token pooling is served."""
+    from server.engine import Engine
+    from server.scheduler.validation import InvalidRequestError
     from sgl_adapters.backends.runtime import Runtime
 
     src, _ = make_tiny_model("llama")
     for mode in ("max", "lasttoken"):
         path = _sentence_transformers_dir(src, tmp_path / mode, mode, True)
+        if mode == "max":
+            engine = Engine(path, dtype="float32", max_total_tokens=512, context_length=256)
+            with pytest.raises(InvalidRequestError, match="by max"):
+                engine.embed("hi")
+            engine.close()
         with Runtime(path, dtype="float32", max_total_tokens=2048, context_length=256,
                      log_level="warning") as rt:
             r = httpx.post(rt.base_url + "/v1/embeddings", json={"input": "hi"})
