@@ -17,9 +17,14 @@ checks it).
 
 Down: two passes within ``SLOW_WINDOW_S`` (one, while probing) that each took over
 ``SLOW_FACTOR`` times the fastest pass of their size (new tokens and attended positions, in
-powers of two) seen at this thread count, and over ``SLOW_S``: the threads are being
-preempted. The soak's stalled passes were 20-70x their size's usual time; in a whole peers
-benchmark run one pass, alone, tripped the factor. Up: a probe, ``COOLDOWN_S`` after the drop
+powers of two) seen at this thread count, and lost over ``SLOW_S`` to it (seconds beyond that
+fastest): the threads are being preempted. The soak's stalled passes were 20-70x their size's
+usual time and lost 0.8-2.8 s each; in a whole peers benchmark run one pass, alone, tripped the
+factor. The loss bound is there because a drop costs about ``COOLDOWN_S`` at the speed of one
+thread (~0.8 s of two threads' work): two one-token steps that lost 60 ms each while 8 prompts
+arrived at once (4 ms -> 64 ms) used to drop a thread, and the first repetition of the peers'
+noshare prefill then ran at 3.65 prompts/s against 4.07 for the later ones and 4.06 with
+``--cpu-threads 2`` (2-core Zen 4, 2026-11-27). Up: a probe, ``COOLDOWN_S`` after the drop
 if other processes used under ``BUSY_CORES`` of this process's cores since the drop or the
 last check, ``WINDOW_S`` or more (``/proc/stat``'s per-CPU busy ticks minus this process's CPU
 time); a probe that fails within ``PROBE_S`` multiplies the cool-down by 4, up to
@@ -39,11 +44,14 @@ the peers benchmark and in-process decode of 1 and 8 streams are within their no
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 
+log = logging.getLogger("server.model")
+
 SLOW_FACTOR = 4.0  # a pass this many times its size's fastest ...
-SLOW_S = 0.05  # ... and this many seconds long is slow; two slow passes ...
+SLOW_S = 0.25  # ... and this many seconds over it is slow; two slow passes ...
 SLOW_WINDOW_S = 10.0  # ... this many seconds apart at most drop a thread
 COOLDOWN_S = 2.0  # seconds at fewer threads before a probe with one more ...
 MAX_COOLDOWN_S = 300.0  # ... x4 up to this by each probe that fails within PROBE_S
@@ -132,6 +140,8 @@ class AdaptiveThreads:
                                              - (cpu1 - cpu0)) / (t1 - t0))
                 if self.other_cores < BUSY_CORES:
                     self._up_at = now
+                    log.info("CPU threads %d -> %d (a probe: other processes used %.2f of "
+                             "the cores)", self.threads, self.threads + 1, self.other_cores)
                     self._set(self.threads + 1)
         self._start = time.perf_counter()
         return self.threads
@@ -147,7 +157,7 @@ class AdaptiveThreads:
         fastest = self._fastest.get(key)
         if fastest is None or seconds < fastest:
             self._fastest[key] = seconds
-        elif self.threads > 1 and seconds > max(SLOW_FACTOR * fastest, SLOW_S):
+        elif self.threads > 1 and seconds > max(SLOW_FACTOR * fastest, fastest + SLOW_S):
             now = time.monotonic()
             probing = now - self._up_at < PROBE_S
             if not probing and now - self._slow_at > SLOW_WINDOW_S:
@@ -156,6 +166,8 @@ class AdaptiveThreads:
             self.cooldown_s = min(4 * self.cooldown_s, MAX_COOLDOWN_S) if probing \
                 else COOLDOWN_S
             self._down_at, self._slow_at = now, -1e9
+            log.info("CPU threads %d -> %d (a pass of %d tokens took %.3f s, its size's fastest "
+                     "%.3f s)", self.threads, self.threads - 1, tokens, seconds, fastest)
             self._set(self.threads - 1)
 
     def _set(self, threads: int) -> None:

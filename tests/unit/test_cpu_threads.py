@@ -1,7 +1,8 @@
 """The CPU thread count follows the load (server.model.cpu_threads): two slow passes drop a
-thread, one does not; a probe brings it back after the cool-down unless other processes keep
-the cores busy; a failed probe lengthens the cool-down; a fixed count never moves. The clock
-and the kernel's CPU counters are fakes the test drives."""
+thread, one does not, nor do stalls that lose less than a drop costs; a probe brings it back
+after the cool-down unless other processes keep the cores busy; a failed probe lengthens the
+cool-down; a fixed count never moves. The clock and the kernel's CPU counters are fakes the
+test drives."""
 
 from __future__ import annotations
 
@@ -62,8 +63,19 @@ def test_two_slow_passes_drop_a_thread_and_one_does_not(machine):
     machine.wait(11)
     assert machine.run_pass(t, 0.5) == 2  # another, 11 s later: still a hiccup
     assert machine.run_pass(t, 0.02) == 2
-    assert machine.run_pass(t, 0.09) == 1  # a second within 10 s (and > 4x, > 50 ms): down
+    assert machine.run_pass(t, 0.3) == 1  # a second within 10 s (> 4x, 280 ms lost): down
     assert torch.get_num_threads() == 1
+
+
+def test_stalls_that_lose_less_than_a_drop_costs_keep_the_threads(machine):
+    # one-token steps of 4 ms stalled to 64 ms while a burst of prompts arrived: 16x their
+    # size's fastest, but 60 ms lost each is far less than a drop's cool-down at one thread
+    t = ct.AdaptiveThreads(cores=frozenset({0, 1}), stat_path=str(machine.stat))
+    machine.run_pass(t, 0.004, tokens=1)
+    for _ in range(5):
+        assert machine.run_pass(t, 0.064, tokens=1) == 2
+    assert machine.run_pass(t, 0.004 + ct.SLOW_S + 0.01, tokens=1) == 2  # lost > SLOW_S: 1st
+    assert machine.run_pass(t, 0.004 + ct.SLOW_S + 0.01, tokens=1) == 1  # and a 2nd: down
 
 
 def test_a_pass_of_another_size_is_not_slow(machine):
