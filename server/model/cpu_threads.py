@@ -15,24 +15,29 @@ The thread count never changes a result: the native CPU kernels split work by ro
 fixed KV partitions, whatever the number of threads (``tests/model/test_batch_invariance.py``
 checks it).
 
-Down: two passes within ``SLOW_WINDOW_S`` (one, while probing) that each took over
-``SLOW_FACTOR`` times the fastest pass of their size (new tokens and attended positions, in
-powers of two) seen at this thread count, and lost over ``SLOW_S`` to it (seconds beyond that
-fastest): the threads are being preempted. The soak's stalled passes were 20-70x their size's
-usual time and lost 0.8-2.8 s each; in a whole peers benchmark run one pass, alone, tripped the
-factor. The loss bound is there because a drop costs about ``COOLDOWN_S`` at the speed of one
-thread (~0.8 s of two threads' work): two one-token steps that lost 60 ms each while 8 prompts
-arrived at once (4 ms -> 64 ms) used to drop a thread, and the first repetition of the peers'
-noshare prefill then ran at 3.65 prompts/s against 4.07 for the later ones and 4.06 with
-``--cpu-threads 2`` (2-core Zen 4, 2026-11-27). Up: a probe, ``COOLDOWN_S`` after the drop
-if other processes used under ``BUSY_CORES`` of this process's cores since the drop or the
-last check, ``WINDOW_S`` or more (``/proc/stat``'s per-CPU busy ticks minus this process's CPU
-time); a probe that fails within ``PROBE_S`` multiplies the cool-down by 4, up to
-``MAX_COOLDOWN_S``, so on a machine that stays busy a failed probe (one slow pass) comes every
-five minutes. Neither others' CPU time nor this process's run delay tells the two cases apart
-by itself: in the peers benchmark the HTTP process and the client use about a core at times,
-as in the soak, and two threads stay 1.3-1.5x as fast there. Without ``/proc/stat`` (not
-Linux) the count stays at every core.
+Down: slow passes, each over ``SLOW_FACTOR`` times the fastest pass of its size (new tokens
+and attended positions, in powers of two) seen at this thread count and over ``SLOW_S``: the
+threads are being preempted. While probing one is enough; otherwise the first of a
+``SLOW_WINDOW_S`` window is a hiccup, and a thread drops once the window's slow passes (two at
+least) lost ``LOST_S`` in all (seconds beyond their sizes' fastest). The soak's stalled passes
+were 20-70x their size's usual time (0.8-2.8 s); in a whole peers benchmark run one pass, alone,
+tripped the factor. Why a loss bound and a short cool-down (2-core Zen 4, 2026-11-27): two
+one-token steps that lost 60 ms each used to drop a thread for 2 s, and when a client started
+on the other core (the peers' agreement check) 4 ms steps took 85 ms and the thread came back
+only after the first noshare repetition had begun (3.65 prompts/s against 4.07 for the later
+ones and 4.06 with ``--cpu-threads 2``). A bound on each pass's loss (0.25 s) kept two threads
+under the hostile soak's steady stalls instead (1,208-1,495 well-behaved 200s in 120 s against
+2,296, stream gaps p99 313 ms against 246 ms); the loss in all with a 0.5-s cool-down gave
+2,330 and 182 ms.
+
+Up: a probe, ``COOLDOWN_S`` after the drop if other processes used under ``BUSY_CORES`` of this
+process's cores since the drop or the last check, ``WINDOW_S`` or more (``/proc/stat``'s
+per-CPU busy ticks minus this process's CPU time); a probe that fails within ``PROBE_S``
+multiplies the cool-down by 4, up to ``MAX_COOLDOWN_S``, so on a machine that stays busy a
+failed probe (one slow pass) comes every five minutes. Neither others' CPU time nor this
+process's run delay tells the two cases apart by itself: in the peers benchmark the HTTP
+process and the client use about a core at times, as in the soak, and two threads stay 1.3-1.5x
+as fast there. Without ``/proc/stat`` (not Linux) the count stays at every core.
 
 The threads' wait at each region's end (:func:`openmp_env`): libgomp spins 300,000 times before
 it sleeps, so a thread that is done keeps its core while the one still working was preempted
@@ -51,9 +56,10 @@ import time
 log = logging.getLogger("server.model")
 
 SLOW_FACTOR = 4.0  # a pass this many times its size's fastest ...
-SLOW_S = 0.25  # ... and this many seconds over it is slow; two slow passes ...
-SLOW_WINDOW_S = 10.0  # ... this many seconds apart at most drop a thread
-COOLDOWN_S = 2.0  # seconds at fewer threads before a probe with one more ...
+SLOW_S = 0.05  # ... and this many seconds long is slow; slow passes that lost ...
+LOST_S = 0.25  # ... this many seconds in all beyond their fastest (two at least) ...
+SLOW_WINDOW_S = 10.0  # ... within a window of this many seconds drop a thread
+COOLDOWN_S = 0.5  # seconds at fewer threads before a probe with one more ...
 MAX_COOLDOWN_S = 300.0  # ... x4 up to this by each probe that fails within PROBE_S
 PROBE_S = 5.0
 WINDOW_S = 0.25  # seconds between checks of the CPU counters for a probe ...
@@ -111,7 +117,8 @@ class AdaptiveThreads:
         self.adaptive = self._last is not None
         self.cooldown_s = COOLDOWN_S
         self._down_at = self._up_at = -1e9  # monotonic times of the last change each way
-        self._slow_at = -1e9  # of the last slow pass
+        self._slow_at = -1e9  # of the first slow pass of the window
+        self._lost = 0.0  # seconds its slow passes lost beyond their sizes' fastest
         self.other_cores = 0.0  # other processes' use of our cores in the last window
         self._fastest: dict[tuple[int, int, int], float] = {}  # (threads, sizes) -> seconds
         self._start = 0.0  # of the pass in flight
@@ -157,12 +164,16 @@ class AdaptiveThreads:
         fastest = self._fastest.get(key)
         if fastest is None or seconds < fastest:
             self._fastest[key] = seconds
-        elif self.threads > 1 and seconds > max(SLOW_FACTOR * fastest, fastest + SLOW_S):
+        elif self.threads > 1 and seconds > max(SLOW_FACTOR * fastest, SLOW_S):
             now = time.monotonic()
             probing = now - self._up_at < PROBE_S
-            if not probing and now - self._slow_at > SLOW_WINDOW_S:
-                self._slow_at = now  # the first: a hiccup, or the start of a busy spell
-                return
+            if not probing:
+                first = now - self._slow_at > SLOW_WINDOW_S
+                if first:  # a hiccup, or the start of a busy spell
+                    self._slow_at, self._lost = now, 0.0
+                self._lost += seconds - fastest
+                if first or self._lost < LOST_S:
+                    return
             self.cooldown_s = min(4 * self.cooldown_s, MAX_COOLDOWN_S) if probing \
                 else COOLDOWN_S
             self._down_at, self._slow_at = now, -1e9
