@@ -1,7 +1,8 @@
 // What bounds the VNNI int4 linear (kernels/cpu/csrc_vnni/vnni_linear.cpp) at prefill: its
 // register tile (2 feature tiles x 6 rows, 8 vpdpbusd per 32-input block and (tile, row)) run
 // over a weight and activations that stay in L2, one core, with the per-block float epilogue
-// of each variant below. A standalone program, not part of the server:
+// of each variant below. The loop is a copy of the kernel's q4_tile (each variant needs its
+// own epilogue, compiled in). A standalone program, not part of the server:
 //
 //   g++ -O3 -std=c++20 -mavx512f -mavx512bw -mavx512vl -mavx512vnni -mf16c -mfma \
 //       benchmarks/q4_epilogue.cpp -o /tmp/q4_epilogue && taskset -c 1 /tmp/q4_epilogue
