@@ -14,8 +14,8 @@
 //   pow2 shift    convert(sum << e) + 2 FMAs (power-of-two block scales, integer shift)
 //   pow2 expadd   convert, exponent add (vpaddd) + 2 FMAs (power-of-two block scales)
 //   one fma       convert + 1 FMA (no min term)
-// 2026-11-27, 2-core AMD EPYC Zen 4 (avx512_vnni, avx512_bf16): 0.325 / 0.450 / 0.359 / 0.328 /
-// 0.343 / 0.403: each float op of the epilogue takes a vpdpbusd slot (the same two pipes), so
+// 2026-11-27, 2-core AMD EPYC Zen 4 (avx512_vnni, avx512_bf16): 0.325 / 0.445 / 0.361 / 0.324 /
+// 0.341 / 0.403: each float op of the epilogue takes a vpdpbusd slot (the same two pipes), so
 // Q4_1 x Q8_1 runs at 8 / 11 of the peak; only a change of the activations' numerics (one
 // scale per row: 8 / 10) would lift it, not a change of the code.
 #include <immintrin.h>
