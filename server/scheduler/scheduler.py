@@ -42,6 +42,7 @@ import torch
 
 from server.cache.manager import CacheManager
 from server.config import SchedulerConfig
+from server.constrained.jump_forward import ForcedTokenizer
 from server.model.forward_batch import ForwardBatch, RunnerOutput
 from server.model.sampling import Sampler
 from server.scheduler.batches import Plan, build_decode, build_extend
@@ -79,7 +80,8 @@ class Scheduler:
         self.vocab_size = vocab_size
         self.context_len = context_len
         self.sampler = sampler or Sampler(seed)
-        self.jump_forward_tokenizer = None if config.disable_jump_forward else tokenizer
+        self.jump_forward_tokenizer = (None if config.disable_jump_forward or tokenizer is None
+                                       else ForcedTokenizer(tokenizer))  # learns the model's splits
         self.speculative_ngram = config.speculative_ngram
         self.order = WaitingOrder(config, cache, random.Random(seed))
         self.waiting: deque[Req] = deque()
@@ -138,9 +140,8 @@ class Scheduler:
         return [d for rid in batch.req_ids if (d := self.abort(rid, message, error=True))]
 
     def reset_stats(self) -> None:
-        """Zero the counters (e.g. after a warm-up)."""
-        self.stats = SchedulerStats()
-        self.cache.stats.evicted_tokens = 0  # the cache's own counter, reported with ours
+        """Zero the counters (e.g. after a warm-up; the cache's own counter, reported with ours)."""
+        self.stats, self.cache.stats.evicted_tokens = SchedulerStats(), 0
 
     def flush_cache(self) -> bool:
         """Empty the radix cache; refused (False) while any request holds KV memory."""
@@ -180,9 +181,8 @@ class Scheduler:
         self.order.passed_over(self.waiting, admitted)
         if chunks and (self.config.mixed_chunk or (all(r.draft for r, _, _ in chunks)
                                                    and not admitted)):
-            # Mixed batch: the running requests decode in the same pass (as 1-token extends),
-            # so a stream of arriving prompts never stalls decoding. Without mixing, this is
-            # done only for a pass of jump-forward verifications.
+            # Mixed batch: the running requests decode in the same pass (as 1-token extends), so
+            # arriving prompts never stall decoding; unmixed, only beside jump-forward verifies.
             for req in list(self.running):
                 slots = self._alloc(1, keep={id(r) for r, _, _ in chunks} | {id(req)})
                 if slots is None or req.status is not ReqStatus.RUNNING:
@@ -230,13 +230,12 @@ class Scheduler:
                 break
             if not self.cache.ready(req):
                 continue  # its cached pages are still being read from disk
-            busy = bool(self.prefilling or self.running)
             hit = self.cache.admit(req)
             req.computed_len = hit.cached_len
             need = req.fill_len - req.computed_len + min(req.remaining_new_tokens,
                                                          self.config.max_new_tokens_reserve)
             n = min(req.fill_len - req.computed_len, budget)
-            fits = need <= self.cache.available - self._reserved() or not busy
+            fits = need <= self.cache.available - self._reserved() or not (self.prefilling or self.running)
             slots = self.cache.alloc(n) if fits else None
             if slots is None:
                 self.cache.release(req, cache=False)  # only the prefix lock is undone
@@ -356,6 +355,8 @@ class Scheduler:
         req.computed_len = req.fill_len - 1  # the last token's KV is computed next pass
         self.cache.truncate_alloc(req)
         self.draft_gate.observe(source, len(drafts), self.stats.count_verify(produced, drafts))
+        if source == "jump_forward":
+            self.jump_forward_tokenizer.observe(drafts, produced)
         if reason is not None:
             req.draft = []
             return self._finish(req, reason, produced)

@@ -191,3 +191,32 @@ def test_default_model_16_prompts_identical_with_and_without_jump_forward():
         assert [o["output_ids"] for o in a] == [o["output_ids"] for o in b]
     assert on.metrics()["forward_passes"] < off.metrics()["forward_passes"]
     assert on.metrics()["jump_forward_tokens"] > 0
+
+
+def test_forced_tokenizer_learns_where_the_model_splits_a_token(default_tokenizer):
+    """A draft token the model keeps splitting (SmolLM2 writes ``' ['`` then ``'"'`` where the
+    tokenizer has ``' ["'``) is drafted as the model's split once the model chose the split
+    more often than the token; a token the model accepts stays; the text never changes."""
+    from server.constrained.jump_forward import ForcedTokenizer
+
+    tok = default_tokenizer
+    ft = ForcedTokenizer(tok)
+    text = ', "tags": ["'
+    canonical = tok.encode(text, add_special_tokens=False)
+    whole = tok.encode(' ["', add_special_tokens=False)
+    assert len(whole) == 1 and whole[0] in canonical  # the case this is about
+    bracket, quote = tok.encode(" [", add_special_tokens=False), tok.encode('"', add_special_tokens=False)
+    i = canonical.index(whole[0])
+    assert ft.encode(text) == canonical  # nothing learned yet
+    ft.observe(canonical, canonical[:i] + bracket)  # accepted up to ' [' chosen over ' ["'
+    split = canonical[:i] + bracket + quote + canonical[i + 1:]
+    assert ft.encode(text) == split and tok.decode(split) == text
+    for _ in range(2):  # the model now takes the merged token where the split is drafted
+        ft.observe(split, canonical[:i + 1])
+    assert ft.encode(text) == canonical
+    ft.observe(canonical, canonical)  # accepted whole: votes for the token, nothing changes
+    assert ft.encode(text) == canonical
+    # a rejection that is not a split (another token altogether) teaches nothing
+    other = tok.encode(" x", add_special_tokens=False)
+    ft.observe(canonical, canonical[:i] + other)
+    assert ft.encode(text) == canonical
