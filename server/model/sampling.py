@@ -145,7 +145,9 @@ class Sampler:
         allows keeps its logits unmasked: masking every other token cannot change its argmax
         (the first index of the row's maximum is still the first among the allowed ids), and
         a bitmask fill and apply cost ~0.3 ms a row against a few microseconds to ask the
-        grammar about one token. Only the argmax of such a row is then meaningful."""
+        grammar about one token. A greedy row whose best token the grammar refuses asks about
+        its next best few instead (:func:`_best_allowed`), and its answer becomes the row's
+        maximum. Only the argmax of such a row is then meaningful."""
         vocab, dev = logits.shape[-1], logits.device
         bias = [(b, t, v) for b, st in enumerate(states) for t, v in st.params.logit_bias]
         if bias:
@@ -183,6 +185,11 @@ class Sampler:
         if greedy and greedy_shortcut and dev.type == "cpu":
             best = argmax_rows(logits[_index(greedy, dev)]).tolist()
             allowed = {b for b, t in zip(greedy, best) if states[b].grammar.allows(t)}
+            for b in greedy:  # refused: its best allowed token is most often in its top few
+                t = None if b in allowed else _best_allowed(logits[b], states[b].grammar)
+                if t is not None:
+                    logits[b, t] = float("inf")  # the row's argmax, as its masked row's
+                    allowed.add(b)
             constrained = [b for b in constrained if b not in allowed]
         if constrained:
             import xgrammar as xgr
@@ -326,6 +333,26 @@ def argmax_decides(st: SamplingState) -> bool:
     return p.is_greedy and not (p.logit_bias or p.repetition_penalty != 1.0 or st.banned_ids
                                 or (st.output_ids and (p.frequency_penalty
                                                        or p.presence_penalty)))
+
+
+def _best_allowed(row: torch.Tensor, grammar, k: int = 8) -> int | None:
+    """The first index of the maximum of ``row`` [V] float32 (CPU) among the tokens
+    ``grammar`` allows, which is what masking the row and taking its argmax gives, found among
+    the row's top ``k``; None where that cannot be told from them (no allowed token among them,
+    a NaN, or the best allowed value ties the k-th, so an equal value may sit further on)."""
+    vals, ids = row.topk(k)
+    vals, ids = vals.tolist(), ids.tolist()
+    best: tuple[float, int] | None = None
+    for v, t in zip(vals, ids):
+        if v != v:  # NaN: argmax_rows counts it as the maximum
+            return None
+        if best is not None and v < best[0]:
+            break
+        if (best is None or t < best[1]) and grammar.allows(t):
+            best = (v, t)
+    if best is None or best[0] <= vals[-1]:
+        return None
+    return best[1]
 
 
 def _has_processors(st: SamplingState) -> bool:

@@ -256,3 +256,44 @@ def test_a_native_row_draws_the_same_alone_and_beside_ranked_rows():
                 out.append(sampler.sample(logits[:1], [st]).next_ids[0])
     assert alone == mixed and len(set(alone)) > 1
     assert sum(a == b for a, b in zip(alone, torch_path)) >= 38
+
+
+class _AllowedSet:
+    """A grammar stand-in over one set of allowed tokens: what the sampler asks of a grammar
+    (one token, or its row of xgrammar's bitmask: bit j of word w is token 32 w + j)."""
+
+    def __init__(self, allowed):
+        self.allowed = set(allowed)
+
+    def allows(self, t: int) -> bool:
+        return t in self.allowed
+
+    def fill_bitmask(self, bitmask, row: int) -> None:
+        bitmask[row] = 0
+        for t in self.allowed:
+            w, j = divmod(t, 32)
+            bitmask[row, w] |= (1 << j) - (1 << 32 if j == 31 else 0)
+
+
+def test_a_refused_greedy_row_takes_its_masked_argmax_from_its_top_few():
+    """A greedy row whose argmax the grammar refuses: the best allowed token found among the top
+    few is the token masking the row and taking its argmax gives (ties: the first index), and
+    where the top few cannot tell (no allowed token there, or a tie with the last of them) the
+    row is masked as before; through Sampler.sample every row gets its masked argmax."""
+    from server.model.sampling import _best_allowed
+
+    gen = torch.Generator().manual_seed(5)
+    vocab, told = 64, 0
+    for trial in range(400):
+        row = torch.randint(-6, 6, (vocab,), generator=gen).float()  # many ties
+        allowed = torch.randperm(vocab, generator=gen)[:1 + trial % 20].tolist()
+        grammar = _AllowedSet(allowed)
+        masked = torch.full((vocab,), float("-inf"))
+        masked[allowed] = row[allowed]
+        want = int(masked.argmax())
+        got = _best_allowed(row, grammar)
+        assert got is None or got == want
+        told += got is not None
+        st = SamplingState(SamplingParams(temperature=0.0), [], [], None, grammar=grammar)
+        assert Sampler().sample(row[None], [st]).next_ids == [want]
+    assert told > 100  # the top few decide many rows
