@@ -146,7 +146,7 @@ class Sampler:
         (the first index of the row's maximum is still the first among the allowed ids), and
         a bitmask fill and apply cost ~0.3 ms a row against a few microseconds to ask the
         grammar about one token. A greedy row whose best token the grammar refuses asks about
-        its next best few instead (:func:`_best_allowed`), and its answer becomes the row's
+        its next best few instead (:func:`best_allowed`), and its answer becomes the row's
         maximum. Only the argmax of such a row is then meaningful."""
         vocab, dev = logits.shape[-1], logits.device
         bias = [(b, t, v) for b, st in enumerate(states) for t, v in st.params.logit_bias]
@@ -186,7 +186,7 @@ class Sampler:
             best = argmax_rows(logits[_index(greedy, dev)]).tolist()
             allowed = {b for b, t in zip(greedy, best) if states[b].grammar.allows(t)}
             for b in greedy:  # refused: its best allowed token is most often in its top few
-                t = None if b in allowed else _best_allowed(logits[b], states[b].grammar)
+                t = None if b in allowed else best_allowed(logits[b], states[b].grammar)
                 if t is not None:
                     logits[b, t] = float("inf")  # the row's argmax, as its masked row's
                     allowed.add(b)
@@ -335,8 +335,8 @@ def argmax_decides(st: SamplingState) -> bool:
                                                        or p.presence_penalty)))
 
 
-def _best_allowed(row: torch.Tensor, grammar, k: int = 8) -> int | None:
-    """The first index of the maximum of ``row`` [V] float32 (CPU) among the tokens
+def best_allowed(row: torch.Tensor, grammar, k: int = 8) -> int | None:
+    """The first index of the maximum of ``row`` [V] float32 among the tokens
     ``grammar`` allows, which is what masking the row and taking its argmax gives, found among
     the row's top ``k``; None where that cannot be told from them (no allowed token among them,
     a NaN, or the best allowed value ties the k-th, so an equal value may sit further on)."""

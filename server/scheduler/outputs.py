@@ -15,7 +15,7 @@ import torch
 
 from server.constrained.jump_forward import accepted_prefix, draft_tokens
 from server.model.forward_batch import RunnerOutput
-from server.model.sampling import Sampler, argmax_decides, argmax_rows, top_logprobs
+from server.model.sampling import Sampler, argmax_decides, argmax_rows, best_allowed, top_logprobs
 from server.scheduler.ngram import ngram_draft
 from server.scheduler.request import FinishReason, Req
 
@@ -130,9 +130,10 @@ def verify_draft(sampler: Sampler, req: Req, rows: range, logits: torch.Tensor,
 
     A greedy request whose logits only its grammar changes (:func:`argmax_decides`) takes the
     argmax of all its rows in one call and asks the grammar about each in turn (a few
-    microseconds); a row whose argmax the grammar refuses, and every other request, goes
-    through :func:`sample_and_append` one row at a time (~0.3 ms a row: a logits copy and a
-    sampler call each). Both give the same tokens.
+    microseconds), and about the next best few of a row whose argmax it refuses
+    (:func:`best_allowed`); a row they cannot decide, and every other request, goes through
+    :func:`sample_and_append` one row at a time (~0.3 ms a row: a logits copy and a sampler
+    call each). Both give the same tokens.
 
     Returns (the tokens produced, the finish reason or None)."""
     best = None
@@ -143,9 +144,10 @@ def verify_draft(sampler: Sampler, req: Req, rows: range, logits: torch.Tensor,
     produced: list[int] = []
     reason = None
     for i, row in enumerate(rows):
-        tok = best[i] if best is not None else None
-        if tok is not None and not req.banned_ids() and (req.grammar is None
-                                                          or req.grammar.allows(tok)):
+        tok = best[i] if best is not None and not req.banned_ids() else None
+        if tok is not None and req.grammar is not None and not req.grammar.allows(tok):
+            tok = best_allowed(logits[row], req.grammar)  # the masked argmax, or None
+        if tok is not None:
             req.output_ids.append(tok)
             reason = check_finished(req, tok, context_len)
         else:

@@ -280,7 +280,7 @@ def test_a_refused_greedy_row_takes_its_masked_argmax_from_its_top_few():
     few is the token masking the row and taking its argmax gives (ties: the first index), and
     where the top few cannot tell (no allowed token there, or a tie with the last of them) the
     row is masked as before; through Sampler.sample every row gets its masked argmax."""
-    from server.model.sampling import _best_allowed
+    from server.model.sampling import best_allowed
 
     gen = torch.Generator().manual_seed(5)
     vocab, told = 64, 0
@@ -291,7 +291,7 @@ def test_a_refused_greedy_row_takes_its_masked_argmax_from_its_top_few():
         masked = torch.full((vocab,), float("-inf"))
         masked[allowed] = row[allowed]
         want = int(masked.argmax())
-        got = _best_allowed(row, grammar)
+        got = best_allowed(row, grammar)
         assert got is None or got == want
         told += got is not None
         st = SamplingState(SamplingParams(temperature=0.0), [], [], None, grammar=grammar)
