@@ -148,6 +148,8 @@ class Sampler:
         grammar about one token. A greedy row whose best token the grammar refuses asks about
         its next best few instead (:func:`best_allowed`), and its answer becomes the row's
         maximum. Only the argmax of such a row is then meaningful."""
+        # One function: the processors' order (bias, penalties, bans, then the grammar, whose
+        # greedy shortcut reads the processed row) is the sampling rule itself.
         vocab, dev = logits.shape[-1], logits.device
         bias = [(b, t, v) for b, st in enumerate(states) for t, v in st.params.logit_bias]
         if bias:

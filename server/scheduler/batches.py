@@ -60,7 +60,9 @@ def build_extend(chunks: list[tuple[Req, int, torch.Tensor]],
             lo, hi = max(start, im.offset), min(end, im.offset + im.length)
             if lo < hi:
                 images.append((offset + lo - start, im, lo - im.offset, hi - im.offset))
-        wanted = list(range(start, end)) if req.draft else logit_positions(req, start, end)
+        # a draft's rows: the last token's (prompt or output) and each draft token's
+        wanted = (list(range(max(start, req.fill_len - 1), end)) if req.draft
+                  else logit_positions(req, start, end))
         logits_indices.extend(offset + p - start for p in wanted)
         plan.reqs.append(req)
         plan.logit_positions.append(wanted)

@@ -115,6 +115,17 @@ class DraftGate:
         counts[0] += accepted
         counts[1] += accepted < proposed
 
+    def trim(self, req, running: list, prefilling: list) -> None:
+        """Cut ``req``'s fresh draft (a :class:`server.scheduler.request.Req`'s ``draft``) to
+        the tokens worth verifying next pass (none: it decodes one token); the pass would
+        otherwise run the ``running`` requests' one-token rows and the verify rows of the
+        drafts already kept by ``prefilling`` ones."""
+        if not req.draft:
+            return
+        rows = (len(running) + (req not in running)
+                + sum(1 + len(r.draft) for r in prefilling if r.draft and r is not req))
+        req.draft = req.draft[:self.length(req.draft_source, max(rows, 1), len(req.draft))]
+
     def length(self, source: str, rows: int, k: int) -> int:
         """How many of a ``k``-token draft from ``source`` should join a pass that would
         otherwise run ``rows`` rows (``rows`` >= 1, counting the drafting request's own row):

@@ -198,6 +198,19 @@ def set_draft(req: Req, tok: int, context_len: int, jump_forward_tokenizer: Any 
         req.draft_source = "ngram"
 
 
+def opening_draft(req: Req, context_len: int, jump_forward_tokenizer: Any = None) -> list[int]:
+    """The tokens ``req``'s grammar forces before its first output token (a JSON schema's
+    ``{"name": "``), drafted after its prompt's last token so that its prompt's pass verifies
+    them (:mod:`server.constrained.jump_forward`) instead of a pass of their own; [] without
+    jump-forward or a grammar, once the request has output, or when the pass must read its
+    prompt's rows (prompt logprobs, embeddings)."""
+    if (jump_forward_tokenizer is None or req.grammar is None or req.output_ids or req.embed
+            or req.wants_input_logprobs or req.pools_every_row):
+        return []
+    room = min(req.params.max_new_tokens, context_len - req.fill_len - 1)
+    return draft_tokens(req.grammar, jump_forward_tokenizer, req.input_ids[-1], room)
+
+
 def native_output(req: Req, text: "OutputText") -> dict:
     """The native ``/generate`` response of a finished request as the offline Engine returns it
     (``{"text", "output_ids", "meta_info"}``; logprob entries ``(logprob, token_id, None)``),

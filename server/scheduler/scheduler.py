@@ -50,6 +50,7 @@ from server.scheduler.draft_cost import DraftGate
 from server.scheduler.metrics import SchedulerStats, snapshot
 from server.scheduler.outputs import (
     TokenDelta,
+    opening_draft,
     record_prompt_rows,
     request_embedding,
     sample_and_append,
@@ -235,11 +236,14 @@ class Scheduler:
             need = req.fill_len - req.computed_len + min(req.remaining_new_tokens,
                                                          self.config.max_new_tokens_reserve)
             n = min(req.fill_len - req.computed_len, budget)
+            if n == req.fill_len - req.computed_len:  # the whole prompt: its pass verifies
+                req.draft = opening_draft(req, self.context_len, self.jump_forward_tokenizer)
+                req.draft_source, n = "jump_forward", n + len(req.draft)  # the forced opening
             fits = need <= self.cache.available - self._reserved() or not (self.prefilling or self.running)
             slots = self.cache.alloc(n) if fits else None
             if slots is None:
                 self.cache.release(req, cache=False)  # only the prefix lock is undone
-                req.computed_len = 0
+                req.computed_len, req.draft = 0, []
                 break  # no skipping ahead: the policy's order is respected
             self.waiting.remove(req)
             req.status = ReqStatus.PREFILLING
@@ -295,6 +299,9 @@ class Scheduler:
             if req.finished or not self.cache.holds(req.rid):
                 continue  # aborted or retracted while in flight
             if req.draft and req.status is ReqStatus.PREFILLING:
+                if req.computed_len < req.fill_len - 1:  # its prompt's pass: cache the prompt
+                    req.computed_len = req.fill_len
+                    self.cache.cache_unfinished(req)
                 deltas.append(self._verify_draft(req, rows, out.logits))
                 continue
             req.computed_len += n
@@ -321,7 +328,7 @@ class Scheduler:
                 if reason is not None:
                     deltas.append(self._finish(req, reason, [tok]))
                     continue
-                self._trim_draft(req)  # the grammar state was restored when it was made
+                self.draft_gate.trim(req, self.running, self.prefilling)  # grammar restored
                 if req.draft:  # forced tokens: verify them all in one extend pass
                     self.running.remove(req)
                     req.status = ReqStatus.PREFILLING
@@ -332,17 +339,6 @@ class Scheduler:
             self.draft_gate.costs.record(rows, time.perf_counter() - start)
             self._pass = None
         return deltas
-
-    def _trim_draft(self, req: Req) -> None:
-        """Cut ``req``'s fresh draft to the tokens worth verifying next pass
-        (:mod:`draft_cost`; none: it decodes one token): the pass would otherwise run the
-        running requests' one-token rows and the verify rows of the drafts already kept."""
-        if not req.draft:
-            return
-        rows = (len(self.running) + (req not in self.running)
-                + sum(1 + len(r.draft) for r in self.prefilling if r.draft and r is not req))
-        req.draft = req.draft[:self.draft_gate.length(req.draft_source, max(rows, 1),
-                                                      len(req.draft))]
 
     def _verify_draft(self, req: Req, rows: range, logits: torch.Tensor) -> TokenDelta:
         """Sample each draft position as plain decoding would; keep drafts while they match
@@ -360,7 +356,7 @@ class Scheduler:
         if reason is not None:
             req.draft = []
             return self._finish(req, reason, produced)
-        self._trim_draft(req)
+        self.draft_gate.trim(req, self.running, self.prefilling)
         if not req.draft:
             self.prefilling.remove(req)
             req.status = ReqStatus.RUNNING

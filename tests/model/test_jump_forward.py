@@ -220,3 +220,34 @@ def test_forced_tokenizer_learns_where_the_model_splits_a_token(default_tokenize
     other = tok.encode(" x", add_special_tokens=False)
     ft.observe(canonical, canonical[:i] + other)
     assert ft.encode(text) == canonical
+
+
+def test_the_forced_opening_is_verified_in_the_prompts_pass(engines, monkeypatch):
+    """A JSON schema forces the output's opening (``{"name": "``): it is drafted after the
+    prompt's last token and verified by the prompt's own pass, so that pass already produces
+    every opening token the model agrees with (once the ForcedTokenizer learned how this model
+    splits them), and outputs equal plain decoding's."""
+    off, on = engines
+    first: dict[str, tuple[list[int], int]] = {}
+    update = on.scheduler.update
+
+    def recording(batch, out):
+        deltas = update(batch, out)
+        for d in deltas:
+            first.setdefault(d.rid, (d.new_token_ids, on.scheduler.stats.draft_tokens))
+        return deltas
+
+    monkeypatch.setattr(on.scheduler, "update", recording)
+    sp = {"max_new_tokens": 30, "temperature": 0.0, "json_schema": SCHEMA}
+    prompts = [on.encode(f"Item {i}:") for i in range(4)]
+    on.generate(input_ids=prompts, sampling_params=sp)  # teaches where this model splits tokens
+    first.clear()
+    before = on.scheduler.stats.draft_tokens
+    outs = on.generate(input_ids=prompts, sampling_params=sp)
+    assert [o["output_ids"] for o in outs] == [o["output_ids"]
+                                               for o in off.generate(input_ids=prompts, sampling_params=sp)]
+    for o in outs:
+        ids, drafted = first[o["meta_info"]["id"]]
+        assert drafted > before  # the prompt's pass verified a draft
+        assert ids == o["output_ids"][:len(ids)]
+    assert max(len(first[o["meta_info"]["id"]][0]) for o in outs) > 1  # some opening accepted
