@@ -26,7 +26,7 @@ from kernels.cpu_features import cpu_description
 
 # (batch, cached prefix tokens, new tokens)
 MIXES = [(1, 0, 512), (2, 0, 512), (16, 1024, 64), (16, 512, 1), (1, 4096, 1), (1, 600, 1),
-         (1, 600, 9), (1, 256, 1)]
+         (1, 600, 9), (1, 256, 1), (1, 650, 2), (1, 650, 5), (4, 650, 1), (4, 650, 3)]
 
 
 def _time(fn, seconds: float) -> float:
