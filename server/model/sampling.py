@@ -5,6 +5,7 @@ logits' device. The settings it applies are :class:`server.sampling_params.Sampl
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -337,24 +338,29 @@ def argmax_decides(st: SamplingState) -> bool:
                                                        or p.presence_penalty)))
 
 
-def best_allowed(row: torch.Tensor, grammar, k: int = 8) -> int | None:
-    """The first index of the maximum of ``row`` [V] float32 among the tokens
-    ``grammar`` allows, which is what masking the row and taking its argmax gives, found among
-    the row's top ``k``; None where that cannot be told from them (no allowed token among them,
-    a NaN, or the best allowed value ties the k-th, so an equal value may sit further on)."""
-    vals, ids = row.topk(k)
-    vals, ids = vals.tolist(), ids.tolist()
-    best: tuple[float, int] | None = None
-    for v, t in zip(vals, ids):
-        if v != v:  # NaN: argmax_rows counts it as the maximum
-            return None
-        if best is not None and v < best[0]:
-            break
-        if (best is None or t < best[1]) and grammar.allows(t):
-            best = (v, t)
-    if best is None or best[0] <= vals[-1]:
+def best_allowed(row: torch.Tensor, grammar, k: int = 16) -> int | None:
+    """The first index of the maximum of ``row`` [V] among the tokens ``grammar`` allows (what
+    masking the row and taking its argmax gives), found by asking the grammar about the row's
+    best tokens in turn, at most ``k`` of them: each refused one is set aside (-inf) and the
+    argmax taken again, which visits equal values in index order. None when the k are refused
+    or the best left is NaN or -inf (masking decides those). ``row`` is left as it was (on the
+    CPU in float32 it is read in place, through NumPy: ~3 us an argmax)."""
+    x = row.detach().to("cpu", torch.float32).numpy()
+    set_aside: list[tuple[int, float]] = []
+    try:
+        for _ in range(k):
+            t = int(x.argmax())
+            v = float(x[t])
+            if not v > -math.inf:  # NaN (argmax_rows' maximum) or -inf: cannot tell here
+                return None
+            if grammar.allows(t):
+                return t
+            set_aside.append((t, v))
+            x[t] = -math.inf
         return None
-    return best[1]
+    finally:
+        for t, v in set_aside:
+            x[t] = v
 
 
 def _has_processors(st: SamplingState) -> bool:

@@ -276,10 +276,10 @@ class _AllowedSet:
 
 
 def test_a_refused_greedy_row_takes_its_masked_argmax_from_its_top_few():
-    """A greedy row whose argmax the grammar refuses: the best allowed token found among the top
-    few is the token masking the row and taking its argmax gives (ties: the first index), and
-    where the top few cannot tell (no allowed token there, or a tie with the last of them) the
-    row is masked as before; through Sampler.sample every row gets its masked argmax."""
+    """A greedy row whose argmax the grammar refuses: the best allowed token found among its
+    next best few is the token masking the row and taking its argmax gives (ties: the first
+    index), the row is left as it was, and where the few are all refused the row is masked as
+    before; through Sampler.sample every row gets its masked argmax."""
     from server.model.sampling import best_allowed
 
     gen = torch.Generator().manual_seed(5)
@@ -291,8 +291,10 @@ def test_a_refused_greedy_row_takes_its_masked_argmax_from_its_top_few():
         masked = torch.full((vocab,), float("-inf"))
         masked[allowed] = row[allowed]
         want = int(masked.argmax())
+        before = row.clone()
         got = best_allowed(row, grammar)
         assert got is None or got == want
+        assert torch.equal(row, before)
         told += got is not None
         st = SamplingState(SamplingParams(temperature=0.0), [], [], None, grammar=grammar)
         assert Sampler().sample(row[None], [st]).next_ids == [want]
