@@ -97,24 +97,46 @@ def sample_and_append(sampler: Sampler, items: Sequence[tuple[Req, int]], logits
     With ``jump_forward_tokenizer`` or ``speculative_ngram``, a request that goes on gets its next
     draft (:func:`set_draft`).
 
+    A greedy constrained request whose logits only its grammar changes (:func:`argmax_decides`,
+    CPU logits) takes its row's argmax, or :func:`best_allowed` where the grammar refuses it,
+    without a sampler call (which copies the rows to apply the mask); the sampler decides
+    the rest, and both give the same tokens.
+
     Returns (request, sampled token, finish reason or None) per item, in order.
     """
     reqs = [r for r, _ in items]
     for r in reqs:
         r.sampling.banned_ids = r.banned_ids()
         r.sampling.grammar = r.grammar
-    want = any(r.logprobs.return_logprob for r in reqs)
-    k = max(r.logprobs.top_logprobs_num for r in reqs)
-    sampled = sampler.sample(take_rows(logits, [i for _, i in items]), [r.sampling for r in reqs],
-                             want_logprobs=want, num_top_logprobs=k)
+    toks: dict[int, int] = {}
+    fast = [i for i, r in enumerate(reqs) if r.grammar is not None and logits.device.type == "cpu"
+            and not r.logprobs.return_logprob and argmax_decides(r.sampling)]
+    if fast:
+        best = argmax_rows(take_rows(logits, [items[i][1] for i in fast])).tolist()
+        for i, t in zip(fast, best):
+            g = reqs[i].grammar
+            t = t if g.allows(t) else best_allowed(logits[items[i][1]], g)
+            if t is not None:
+                toks[i] = t
+    rest = [i for i in range(len(reqs)) if i not in toks]
+    sampled = None
+    if rest:
+        want = any(reqs[i].logprobs.return_logprob for i in rest)
+        k = max(reqs[i].logprobs.top_logprobs_num for i in rest)
+        sampled = sampler.sample(take_rows(logits, [items[i][1] for i in rest]),
+                                 [reqs[i].sampling for i in rest], want_logprobs=want,
+                                 num_top_logprobs=k)
+        toks.update(zip(rest, sampled.next_ids))
+    at = {i: j for j, i in enumerate(rest)}  # item -> its row of the sampler's output
     out = []
-    for i, (req, tok) in enumerate(zip(reqs, sampled.next_ids)):
+    for i, req in enumerate(reqs):
+        tok = toks[i]
         req.output_ids.append(tok)
         if req.logprobs.return_logprob:
-            req.output_token_logprobs.append((sampled.logprobs[i], tok))
+            req.output_token_logprobs.append((sampled.logprobs[at[i]], tok))
             if req.logprobs.top_logprobs_num:
                 req.output_top_logprobs.append(
-                    sampled.top_logprobs[i][:req.logprobs.top_logprobs_num])
+                    sampled.top_logprobs[at[i]][:req.logprobs.top_logprobs_num])
         reason = check_finished(req, tok, context_len)
         if reason is None and (jump_forward_tokenizer is not None or speculative_ngram):
             set_draft(req, tok, context_len, jump_forward_tokenizer, speculative_ngram)

@@ -251,3 +251,29 @@ def test_the_forced_opening_is_verified_in_the_prompts_pass(engines, monkeypatch
         assert drafted > before  # the prompt's pass verified a draft
         assert ids == o["output_ids"][:len(ids)]
     assert max(len(first[o["meta_info"]["id"]][0]) for o in outs) > 1  # some opening accepted
+
+
+def test_greedy_grammar_rows_decided_beside_sampled_and_logprob_rows(engines):
+    """In one batch, greedy constrained rows are decided without the sampler (argmax, or the
+    grammar's best allowed token), beside a constrained row that wants logprobs and a sampled
+    one that go through it: every request's tokens (and logprobs) are those it gets alone."""
+    from server.model.sampling import SamplingParams
+    from server.scheduler.request import LogprobOptions
+
+    eng = engines[0]  # jump-forward off: every token through sample_and_append
+    kinds = [(SamplingParams(max_new_tokens=40, temperature=0.0, json_schema=SCHEMA), False),
+             (SamplingParams(max_new_tokens=40, temperature=0.0, json_schema=SCHEMA), True),
+             (SamplingParams(max_new_tokens=40, temperature=1.0, seed=4, json_schema=SCHEMA), False),
+             (SamplingParams(max_new_tokens=40, temperature=0.0, regex=REGEX), False)]
+
+    def requests():
+        return [eng.make_request(eng.encode(f"Item {i}:"), p, LogprobOptions(lp, -1, 0))
+                for i, (p, lp) in enumerate(kinds)]
+
+    def key(o):
+        return o["output_ids"], [x for x, _, _ in o["meta_info"].get("output_token_logprobs", [])]
+
+    together = [key(o) for o in eng.run(requests())]
+    alone = [key(eng.run([r])[0]) for r in requests()]
+    assert together == alone
+    assert together[1][1] and not together[0][1]  # the logprobs went to the row that asked
