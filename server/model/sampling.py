@@ -187,11 +187,12 @@ class Sampler:
         greedy = [b for b in constrained if states[b].params.is_greedy]
         if greedy and greedy_shortcut and dev.type == "cpu":
             best = argmax_rows(logits[_index(greedy, dev)]).tolist()
-            allowed = {b for b, t in zip(greedy, best) if states[b].grammar.allows(t)}
-            for b in greedy:  # refused: its best allowed token is most often in its top few
-                t = None if b in allowed else best_allowed(logits[b], states[b].grammar)
-                if t is not None:
-                    logits[b, t] = float("inf")  # the row's argmax, as its masked row's
+            allowed = set()
+            for b, t in zip(greedy, best):  # a refused argmax: most often one of the next few
+                chosen = best_allowed(logits[b], states[b].grammar, t)
+                if chosen is not None:
+                    if chosen != t:
+                        logits[b, chosen] = float("inf")  # the row's argmax, as its masked row's
                     allowed.add(b)
             constrained = [b for b in constrained if b not in allowed]
         if constrained:
@@ -338,17 +339,22 @@ def argmax_decides(st: SamplingState) -> bool:
                                                        or p.presence_penalty)))
 
 
-def best_allowed(row: torch.Tensor, grammar, k: int = 16) -> int | None:
+def best_allowed(row: torch.Tensor, grammar, argmax: int, k: int = 16) -> int | None:
     """The first index of the maximum of ``row`` [V] among the tokens ``grammar`` allows (what
-    masking the row and taking its argmax gives), found by asking the grammar about the row's
-    best tokens in turn, at most ``k`` of them: each refused one is set aside (-inf) and the
-    argmax taken again, which visits equal values in index order. None when the k are refused
-    or the best left is NaN or -inf (masking decides those). ``row`` is left as it was (on the
-    CPU in float32 it is read in place, through NumPy: ~3 us an argmax)."""
+    masking the row and taking its argmax gives): ``argmax`` (the row's argmax, as
+    :func:`argmax_rows` gave it) when the grammar allows it, else found by asking the grammar
+    about the row's next best tokens in turn, at most ``k`` in all: each refused one is set
+    aside (-inf) and the argmax taken again, which visits equal values in index order. None
+    when the k are refused or the best left is NaN or -inf (masking decides those). ``row`` is
+    left as it was (on the CPU in float32 it is read in place, through NumPy: ~3 us an
+    argmax)."""
+    if grammar.allows(argmax):
+        return argmax
     x = row.detach().to("cpu", torch.float32).numpy()
-    set_aside: list[tuple[int, float]] = []
+    set_aside: list[tuple[int, float]] = [(argmax, float(x[argmax]))]
+    x[argmax] = -math.inf
     try:
-        for _ in range(k):
+        for _ in range(k - 1):
             t = int(x.argmax())
             v = float(x[t])
             if not v > -math.inf:  # NaN (argmax_rows' maximum) or -inf: cannot tell here
@@ -359,7 +365,7 @@ def best_allowed(row: torch.Tensor, grammar, k: int = 16) -> int | None:
             x[t] = -math.inf
         return None
     finally:
-        for t, v in set_aside:
+        for t, v in reversed(set_aside):
             x[t] = v
 
 

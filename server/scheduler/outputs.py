@@ -114,8 +114,7 @@ def sample_and_append(sampler: Sampler, items: Sequence[tuple[Req, int]], logits
     if fast:
         best = argmax_rows(take_rows(logits, [items[i][1] for i in fast])).tolist()
         for i, t in zip(fast, best):
-            g = reqs[i].grammar
-            t = t if g.allows(t) else best_allowed(logits[items[i][1]], g)
+            t = best_allowed(logits[items[i][1]], reqs[i].grammar, t)
             if t is not None:
                 toks[i] = t
     rest = [i for i in range(len(reqs)) if i not in toks]
@@ -167,8 +166,8 @@ def verify_draft(sampler: Sampler, req: Req, rows: range, logits: torch.Tensor,
     reason = None
     for i, row in enumerate(rows):
         tok = best[i] if best is not None and not req.banned_ids() else None
-        if tok is not None and req.grammar is not None and not req.grammar.allows(tok):
-            tok = best_allowed(logits[row], req.grammar)  # the masked argmax, or None
+        if tok is not None and req.grammar is not None:
+            tok = best_allowed(logits[row], req.grammar, tok)  # the masked argmax, or None
         if tok is not None:
             req.output_ids.append(tok)
             reason = check_finished(req, tok, context_len)
