@@ -215,13 +215,18 @@ def test_the_avx512_rope_store_gives_torchs_bits(dtype, kv_dtype, d):
 
 
 @needs_native
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
-def test_attention_of_a_token_is_the_same_in_decode_and_in_any_extend(attention_op, kv_dtype):
+@pytest.mark.parametrize("dtype,kv_dtype", [(torch.float32, torch.float32),
+                                            (torch.float32, torch.bfloat16),
+                                            (torch.bfloat16, torch.bfloat16)])
+def test_attention_of_a_token_is_the_same_in_decode_and_in_any_extend(attention_op, dtype,
+                                                                      kv_dtype):
     """Bitwise: token p of a sequence computed in a long extend, in a short extend over the
     cached prefix, and as a decode step beside other sequences (with a bf16 pool, a decode reads
-    K/V rows in place while an extend tile stages them as float32: the same bits either way)."""
+    K/V rows in place while an extend tile stages them as float32; the bf16 dot-product kernel
+    runs a decode's 3 units through softmax_step and an extend tile's through softmax_step16:
+    the same bits either way)."""
     k, v, table = _pool(4096, 3, 64, kv_dtype)
-    q = torch.randn(1200, 9, 64)
+    q = torch.randn(1200, 9, 64).to(dtype)
     scale = 0.125
 
     def run(rows, prefix, ext, qs):

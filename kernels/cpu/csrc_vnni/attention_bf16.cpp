@@ -152,6 +152,9 @@ struct Bf16Chunk {
     if constexpr (std::is_same_v<T, c10::BFloat16> && NV % 4 == 0) {
       constexpr int64_t D = 8 * NV;
       constexpr int QU = 6;  // units per pass over kt: 12 independent chains
+      // from this many units a chunk's softmax runs 16 units at a time (softmax_step16): below
+      // it (a decode step's group of heads) the padded lanes would cost more than they save
+      constexpr int SOFTMAX16_UNITS = 8;
       alignas(64) uint32_t kt[D / 2 * CHUNK];
       alignas(64) uint32_t vp[CHUNK / 2 * D];
       const uint32_t* qw[TILE * MAX_GROUP];
@@ -162,9 +165,7 @@ struct Bf16Chunk {
       interleave_v<D>(rows, vp);
       for (int u = 0; u < units; ++u)  // the driver passes q as it came: bfloat16 pairs
         qw[u] = reinterpret_cast<const uint32_t*>(q[u]);
-      __m512 sc[QU][CHUNK / 16];
-      for (int u0 = 0; u0 < units; u0 += QU) {
-        const int n = std::min(QU, units - u0);
+      auto scores = [&](int u0, int n, __m512 (*sc)[CHUNK / 16]) {  // n <= QU units
         switch (n) {
           case 6: qk_bf16<6, D>(qw + u0, kt, scale, sc); break;
           case 5: qk_bf16<5, D>(qw + u0, kt, scale, sc); break;
@@ -173,7 +174,21 @@ struct Bf16Chunk {
           case 2: qk_bf16<2, D>(qw + u0, kt, scale, sc); break;
           default: qk_bf16<1, D>(qw + u0, kt, scale, sc); break;
         }
-        softmax_step(sc, n, u0, out, valid, softcap, prs, corrs);
+      };
+      if (units < SOFTMAX16_UNITS) {
+        __m512 sc[QU][CHUNK / 16];
+        for (int u0 = 0; u0 < units; u0 += QU) {
+          const int n = std::min(QU, units - u0);
+          scores(u0, n, sc);
+          softmax_step(sc, n, u0, out, valid, softcap, prs, corrs);
+        }
+      } else {  // the same bits, the softmax of 16 units at a time
+        __m512 sc[16][CHUNK / 16];
+        for (int u0 = 0; u0 < units; u0 += 16) {
+          const int n = std::min(16, units - u0);
+          for (int v0 = 0; v0 < n; v0 += QU) scores(u0 + v0, std::min(QU, n - v0), sc + v0);
+          softmax_step16(sc, n, u0, out, valid, softcap, prs, corrs);
+        }
       }
       for (int u = 0; u < units; ++u) {  // p as bf16 pairs, in place over its float32 copy
         float* pr = prs + u * CHUNK;

@@ -46,12 +46,8 @@ SGL_INLINE __m512 fold32(__m512 a, __m512 b) {  // lanes 0, 1 and 2, 3 of each b
   return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x88), _mm512_shuffle_ps(a, b, 0xDD));
 }
 
-// reduce16(s) = the 16 lane sums of the partial vectors of slots s = 0 .. 15, one lane each:
-// fold256(s, s + 8) -> fold128(., . + 4) -> fold64(., . + 2) -> fold32; every slot's lanes are
-// added by the same tree ((l0 + l8) + (l4 + l12)) + ... Lane p of the result is the sum of slot
-// SLOT_OF[p]'s partials, so putting position p in slot SLOT_OF[p] gives the scores in order (the
-// map is its own inverse).
-constexpr int SLOT_OF[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
+// The score partials of 16 positions are reduced by reduce16's tree (vec512.h), inline below:
+// putting position p in slot SLOT_OF[p] gives the scores in order.
 
 // The lane partials d[u] of q[u] . k for the U units (zero when k is missing).
 template <int U, int NV16, typename T>
@@ -185,6 +181,71 @@ SGL_INLINE void softmax_step(__m512 (*sc)[CHUNK / 16], int n, int u0, float* con
     o[1] = o[1] * delta[i] + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
     o[0] = mxs[i];
     corrs[u] = delta[i];
+  }
+}
+
+// softmax_step of n <= 16 units at once, a lane per unit for their maxima, sums and rescales:
+// the 16 units' max(s0, s1) and p0 + p1 vectors go through reduce16's tree (vec512.h; with
+// max, then with add), whose order is _mm512_reduce_add_ps's, so every unit's m, l, p and
+// rescale are bitwise softmax_step's, without its two horizontal reductions and scalar
+// updates per unit. Lane SLOT_OF[i] holds unit i.
+SGL_INLINE void softmax_step16(__m512 (*sc)[CHUNK / 16], int n, int u0, float* const* out,
+                               const float* const* valid, float softcap, float* prs,
+                               float* corrs) {
+  const __m512 neg_inf = _mm512_set1_ps(NEG_INF);
+  alignas(64) float m_old[16], l_old[16], m_new[16], l_new[16], corr[16];
+  __m512 s[16];
+  for (int i = 0; i < 16; ++i) {
+    const int slot = SLOT_OF[i];  // unit i's lane
+    if (i >= n) {
+      s[i] = neg_inf;
+      m_old[slot] = NEG_INF;
+      l_old[slot] = 0.0f;
+      continue;
+    }
+    const int u = u0 + i;
+    for (int h = 0; h < CHUNK / 16; ++h) {
+      if (softcap > 0.0f) {
+        alignas(64) float buf[16];
+        _mm512_store_ps(buf, sc[i][h]);
+        for (int j = 0; j < 16; ++j) buf[j] = softcap * std::tanh(buf[j] / softcap);
+        sc[i][h] = _mm512_load_ps(buf);
+      }
+      if (valid[u] != nullptr)  // -inf: masked
+        sc[i][h] = _mm512_add_ps(sc[i][h], _mm512_loadu_ps(valid[u] + 16 * h));
+    }
+    s[i] = _mm512_max_ps(sc[i][0], sc[i][1]);
+    m_old[slot] = out[u][0];
+    l_old[slot] = out[u][1];
+  }
+  const __m512 mo = _mm512_load_ps(m_old);
+  // std::max(m, x) is x where m < x, else m: vmaxps(x, m) (the second operand on ties)
+  const __m512 mn = _mm512_max_ps(reduce16(s, [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); }), mo);
+  const __mmask16 fresh = _mm512_cmp_ps_mask(mo, neg_inf, _CMP_EQ_OQ);
+  const __m512 cv = exp512(_mm512_mask_blend_ps(fresh, _mm512_sub_ps(mo, mn), neg_inf));  // exp(-inf) = 0
+  _mm512_store_ps(m_new, mn);
+  _mm512_store_ps(corr, cv);
+  for (int i = 0; i < 16; ++i) {
+    if (i >= n) {
+      s[i] = _mm512_setzero_ps();
+      continue;
+    }
+    const int u = u0 + i;
+    const __m512 mxv = _mm512_set1_ps(m_new[SLOT_OF[i]]);
+    const __m512 p0 = exp512(_mm512_sub_ps(sc[i][0], mxv));  // 0 on masked lanes
+    const __m512 p1 = exp512(_mm512_sub_ps(sc[i][1], mxv));
+    _mm512_storeu_ps(prs + u * CHUNK, p0);
+    _mm512_storeu_ps(prs + u * CHUNK + 16, p1);
+    s[i] = _mm512_add_ps(p0, p1);
+  }
+  // l * rescale + sum, one rounding (softmax_step's scalar expression is contracted to an FMA)
+  _mm512_store_ps(l_new, _mm512_fmadd_ps(_mm512_load_ps(l_old), cv,
+                                         reduce16(s, [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); })));
+  for (int i = 0; i < n; ++i) {
+    const int u = u0 + i, slot = SLOT_OF[i];
+    out[u][0] = m_new[slot];
+    out[u][1] = l_new[slot];
+    corrs[u] = corr[slot];
   }
 }
 

@@ -74,6 +74,34 @@ inline __m512 round_to(__m512 v) {
   else return _mm512_castsi512_ps(bf16_bits_hi(v));
 }
 
+// reduce16(s, op): lane p = the op-reduction of the 16 lanes of s[SLOT_OF[p]], for 16 vectors
+// s at once (float32 lanes, or int32 ones through casts; op is applied to whole vectors): 8 +
+// 4 + 2 + 1 ops and shuffle pairs instead of 16 horizontal reductions, each a latency chain.
+// Every vector's lanes are combined by the same tree ((l0 + l8) + (l4 + l12)) + ((l2 + l10) +
+// (l6 + l14)) + (the same from l1), which is GCC's _mm512_reduce_add_ps order
+// (avx512fintrin.h): float sums are bitwise that intrinsic's. SLOT_OF is its own inverse.
+constexpr int SLOT_OF[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
+
+template <typename Op>
+inline __m512 reduce16(const __m512* s, Op op) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)  // lanes i, i + 8
+    a[i] = op(_mm512_shuffle_f32x4(s[i], s[i + 8], 0x44), _mm512_shuffle_f32x4(s[i], s[i + 8], 0xEE));
+  for (int i = 0; i < 4; ++i)  // 128-bit blocks 0, 1 and 2, 3
+    b[i] = op(_mm512_shuffle_f32x4(a[i], a[i + 4], 0x88), _mm512_shuffle_f32x4(a[i], a[i + 4], 0xDD));
+  for (int i = 0; i < 2; ++i) {  // lanes 0, 2 and 1, 3 of each block
+    const __m512d x = _mm512_castps_pd(b[i]), y = _mm512_castps_pd(b[i + 2]);
+    c[i] = op(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  return op(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD));  // lanes 0, 1
+}
+
+// v's lanes in slot order: lane i of the result = lane SLOT_OF[i] of v (a reduce16 result
+// back in the order of its vectors)
+inline __m512 in_slot_order(__m512 v) {
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15), v);
+}
+
 // silu(g) * u on 16 lanes, g and u values of T (already rounded to it): silu(g) = g / (1 +
 // exp(-g)), the quotient by vrcp14ps and one Newton step (within ~2 ulp of the division),
 // rounded to T before the product as torch rounds it; the caller's store rounds the product.
