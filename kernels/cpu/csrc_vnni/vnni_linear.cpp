@@ -40,6 +40,7 @@
 
 #include "../csrc/linear_inputs.h"
 #include "../csrc/prefetch.h"
+#include "quantize_rows.h"
 #include "vec512.h"
 
 #include <algorithm>
@@ -50,7 +51,6 @@
 namespace sgl_cpu_vnni {
 namespace {
 
-constexpr int64_t QK = 32;          // inputs per block
 constexpr int64_t TILE = 16;        // output features per tile (one zmm of int32 lanes)
 constexpr int64_t Q4_BLOCK = 320;   // bytes per (tile, block), int4
 constexpr int64_t Q8_BLOCK = 512;   // bytes per (tile, block), int8
@@ -67,53 +67,6 @@ inline __m512i bcast4(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
   return _mm512_set1_epi32(v);
-}
-
-// Quantized activations of M rows, in one scratch buffer of the calling thread (a decode step
-// makes ~120 calls of a few KB each: no allocation per call): qx [M, K] int8, dx [M, G]
-// scales, sx [M, G] block sums, cx [M, G] = dx * sx (the int4 offset term's factor).
-struct QuantizedRows {
-  const int8_t* qx;
-  const float* dx;
-  const int32_t* sx;
-  const float* cx;
-};
-
-template <typename T>
-QuantizedRows quantize_rows(const T* x, int64_t M, int64_t K) {
-  const int64_t G = K / QK;
-  thread_local std::vector<int64_t> scratch;  // int64: 8-byte alignment for every part
-  const size_t bytes = M * K + 12 * M * G;
-  scratch.resize((bytes + 7) / 8 + 1);
-  int8_t* qp = reinterpret_cast<int8_t*>(scratch.data());
-  float* dp = reinterpret_cast<float*>(qp + ((M * K + 7) / 8) * 8);
-  int32_t* sp = reinterpret_cast<int32_t*>(dp + M * G);
-  float* cp = reinterpret_cast<float*>(sp + M * G);
-  at::parallel_for(0, M, 16, [&](int64_t lo, int64_t hi) {
-    for (int64_t m = lo; m < hi; ++m) {
-      for (int64_t g = 0; g < G; ++g) {
-        const T* xb = x + m * K + g * QK;
-        const __m512 a = load16(xb), b = load16(xb + 16);
-        const float amax = _mm512_reduce_max_ps(
-            _mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-        const float d = amax / 127.0f;
-        const __m512 id = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-        const __m512i lim = _mm512_set1_epi32(127);
-        // x * id is within [-127, 127] up to rounding: clamp before the narrowing pack
-        __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, id));
-        __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, id));
-        qa = _mm512_max_epi32(_mm512_min_epi32(qa, lim), _mm512_sub_epi32(_mm512_setzero_si512(), lim));
-        qb = _mm512_max_epi32(_mm512_min_epi32(qb, lim), _mm512_sub_epi32(_mm512_setzero_si512(), lim));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(qp + m * K + g * QK), _mm512_cvtepi32_epi8(qa));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(qp + m * K + g * QK + 16), _mm512_cvtepi32_epi8(qb));
-        const int32_t s = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
-        dp[m * G + g] = d;
-        sp[m * G + g] = s;
-        cp[m * G + g] = d * static_cast<float>(s);
-      }
-    }
-  });
-  return {qp, dp, sp, cp};
 }
 
 // y[m0 .. m0+MT, 16 NT features] for the int4 tiles w[0 .. NT). With SILU the tiles are

@@ -1,0 +1,101 @@
+// Activation quantization of the VNNI linear layers (vnni_linear.cpp): each row of x in blocks
+// of QK = 32 to int8 (scale amax / 127, round to nearest even, clamped to [-127, 127]), with
+// each block's scale, integer sum and their product, llama.cpp's Q8_1 (ggml-quants.c,
+// quantize_row_q8_1). A row's values depend on that row only (batch invariance).
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include "vec512.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace sgl_cpu_vnni {
+namespace {
+
+constexpr int64_t QK = 32;  // inputs per block
+
+// Quantized activations of M rows, in one scratch buffer of the calling thread (a decode step
+// makes ~120 calls of a few KB each: no allocation per call): qx [M, K] int8, dx [M, G]
+// scales, sx [M, G] block sums, cx [M, G] = dx * sx (the int4 offset term's factor).
+struct QuantizedRows {
+  const int8_t* qx;
+  const float* dx;
+  const int32_t* sx;
+  const float* cx;
+};
+
+template <typename T>
+QuantizedRows quantize_rows(const T* x, int64_t M, int64_t K) {
+  const int64_t G = K / QK;
+  thread_local std::vector<int64_t> scratch;  // int64: 8-byte alignment for every part
+  const size_t bytes = M * K + 12 * M * G;
+  scratch.resize((bytes + 7) / 8 + 1);
+  int8_t* qp = reinterpret_cast<int8_t*>(scratch.data());
+  float* dp = reinterpret_cast<float*>(qp + ((M * K + 7) / 8) * 8);
+  int32_t* sp = reinterpret_cast<int32_t*>(dp + M * G);
+  float* cp = reinterpret_cast<float*>(sp + M * G);
+  at::parallel_for(0, M, 16, [&](int64_t lo, int64_t hi) {
+    // locals, not the closure's references: the int8 stores may alias anything, so values
+    // read through the closure were reloaded after each store
+    const T* const xs = x;
+    int8_t* const qs = qp;
+    float* const ds = dp;
+    int32_t* const ss = sp;
+    float* const cs = cp;
+    const int64_t KK = K, GG = G;
+    const __m512i lim = _mm512_set1_epi32(127), nlim = _mm512_set1_epi32(-127);
+    const auto max_op = [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); };
+    const auto add_op = [](__m512 a, __m512 b) {  // int32 lanes
+      return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
+    };
+    for (int64_t m = lo; m < hi; ++m) {
+      // 16 blocks at a time: their amax and integer sums come out of one reduce16 each, a lane
+      // per block, where a horizontal max and sum per block were two latency chains (the
+      // values are the same: max and integer sums are exact in any order)
+      for (int64_t g0 = 0; g0 < GG; g0 += 16) {
+        const int nb = static_cast<int>(std::min<int64_t>(16, GG - g0));
+        const T* xb = xs + m * KK + g0 * QK;
+        int8_t* qb = qs + m * KK + g0 * QK;
+        __m512 v[16];
+        for (int i = 0; i < 16; ++i)
+          v[i] = i < nb ? _mm512_max_ps(_mm512_abs_ps(sgl_cpu::load16(xb + i * QK)),
+                                        _mm512_abs_ps(sgl_cpu::load16(xb + i * QK + 16)))
+                        : _mm512_setzero_ps();
+        const __m512 amax = sgl_cpu::in_slot_order(sgl_cpu::reduce16(v, max_op));
+        const __m512 d = _mm512_div_ps(amax, _mm512_set1_ps(127.0f));
+        // x * id is within [-127, 127] up to rounding: clamped before the narrowing pack
+        const __m512 id = _mm512_maskz_div_ps(
+            _mm512_cmp_ps_mask(amax, _mm512_setzero_ps(), _CMP_GT_OQ), _mm512_set1_ps(127.0f), amax);
+        alignas(64) float idv[16];
+        _mm512_store_ps(idv, id);
+        for (int i = 0; i < 16; ++i) {
+          if (i >= nb) {
+            v[i] = _mm512_setzero_ps();
+            continue;
+          }
+          const __m512 f = _mm512_set1_ps(idv[i]);
+          __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(sgl_cpu::load16(xb + i * QK), f));
+          __m512i qc = _mm512_cvtps_epi32(_mm512_mul_ps(sgl_cpu::load16(xb + i * QK + 16), f));
+          qa = _mm512_max_epi32(_mm512_min_epi32(qa, lim), nlim);
+          qc = _mm512_max_epi32(_mm512_min_epi32(qc, lim), nlim);
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + i * QK), _mm512_cvtepi32_epi8(qa));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + i * QK + 16), _mm512_cvtepi32_epi8(qc));
+          v[i] = _mm512_castsi512_ps(_mm512_add_epi32(qa, qc));
+        }
+        const __m512i sum = _mm512_castps_si512(sgl_cpu::in_slot_order(sgl_cpu::reduce16(v, add_op)));
+        const __mmask16 valid = sgl_cpu::lanes(nb);
+        _mm512_mask_storeu_ps(ds + m * GG + g0, valid, d);
+        _mm512_mask_storeu_epi32(ss + m * GG + g0, valid, sum);
+        _mm512_mask_storeu_ps(cs + m * GG + g0, valid, _mm512_mul_ps(d, _mm512_cvtepi32_ps(sum)));
+      }
+    }
+  });
+  return {qp, dp, sp, cp};
+}
+
+}  // namespace
+}  // namespace sgl_cpu_vnni
