@@ -143,6 +143,21 @@ void pv_units(float* const* acc, const float* const* p, const float* corr,
   }
 }
 
+// One unit's chunk of scores: soft-capping (softcap * tanh(s / softcap), when softcap > 0),
+// then the mask (valid: 0 / -inf per position, nullptr for none).
+SGL_INLINE void cap_and_mask(__m512* sc, float softcap, const float* valid) {
+  for (int h = 0; h < CHUNK / 16; ++h) {
+    if (softcap > 0.0f) {
+      alignas(64) float buf[16];
+      _mm512_store_ps(buf, sc[h]);
+      for (int j = 0; j < 16; ++j) buf[j] = softcap * std::tanh(buf[j] / softcap);
+      sc[h] = _mm512_load_ps(buf);
+    }
+    if (valid != nullptr)  // -inf: masked
+      sc[h] = _mm512_add_ps(sc[h], _mm512_loadu_ps(valid + 16 * h));
+  }
+}
+
 // The online-softmax step of units u0 .. u0 + n - 1 (n <= 16) over one chunk, from their
 // scores sc[i] (positions 0-15, 16-31; scaled): soft-capping, the mask, the new running max m
 // and sum l in out[u], the probabilities exp(s - m) into prs + u * CHUNK (float32) and the
@@ -155,16 +170,7 @@ SGL_INLINE void softmax_step(__m512 (*sc)[CHUNK / 16], int n, int u0, float* con
   float mxs[16];
   for (int i = 0; i < n; ++i) {
     const int u = u0 + i;
-    for (int h = 0; h < CHUNK / 16; ++h) {
-      if (softcap > 0.0f) {
-        alignas(64) float buf[16];
-        _mm512_store_ps(buf, sc[i][h]);
-        for (int j = 0; j < 16; ++j) buf[j] = softcap * std::tanh(buf[j] / softcap);
-        sc[i][h] = _mm512_load_ps(buf);
-      }
-      if (valid[u] != nullptr)  // -inf: masked
-        sc[i][h] = _mm512_add_ps(sc[i][h], _mm512_loadu_ps(valid[u] + 16 * h));
-    }
+    cap_and_mask(sc[i], softcap, valid[u]);
     const float m = out[u][0];
     mxs[i] = std::max(m, _mm512_reduce_max_ps(_mm512_max_ps(sc[i][0], sc[i][1])));
     delta[i] = m == NEG_INF ? NEG_INF : m - mxs[i];
@@ -204,16 +210,7 @@ SGL_INLINE void softmax_step16(__m512 (*sc)[CHUNK / 16], int n, int u0, float* c
       continue;
     }
     const int u = u0 + i;
-    for (int h = 0; h < CHUNK / 16; ++h) {
-      if (softcap > 0.0f) {
-        alignas(64) float buf[16];
-        _mm512_store_ps(buf, sc[i][h]);
-        for (int j = 0; j < 16; ++j) buf[j] = softcap * std::tanh(buf[j] / softcap);
-        sc[i][h] = _mm512_load_ps(buf);
-      }
-      if (valid[u] != nullptr)  // -inf: masked
-        sc[i][h] = _mm512_add_ps(sc[i][h], _mm512_loadu_ps(valid[u] + 16 * h));
-    }
+    cap_and_mask(sc[i], softcap, valid[u]);
     s[i] = _mm512_max_ps(sc[i][0], sc[i][1]);
     m_old[slot] = out[u][0];
     l_old[slot] = out[u][1];
