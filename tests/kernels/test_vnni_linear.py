@@ -4,6 +4,10 @@ row's result is bitwise the same alone or in any batch. Skipped where the CPU la
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -99,6 +103,34 @@ def test_fused_gate_up_silu_is_bitwise_the_unfused_pair(m, i, k, dtype):
     with pytest.raises(RuntimeError, match="multiple of 16"):
         native.vnni_int4_linear_silu(x, native.vnni_pack_int4(*_q4_parts(2 * i + 16, k)),
                                      2 * i + 16)
+
+
+_SILU_SCRIPT = """
+import sys, torch
+from kernels import cpu as native
+from server.model.quantization import quantize_int4
+torch.manual_seed(7)
+qw = quantize_int4(torch.randn(2 * 80, 576))
+packed = native.vnni_pack_int4(qw.q, qw.scale, qw.zero)
+x = (3 * torch.randn(67, 576)).to(torch.bfloat16)
+x[0, :5] = torch.tensor([0.0, -0.0, 1e-3, 60.0, -60.0])
+torch.save(native.vnni_int4_linear_silu(x, packed, 2 * 80), sys.argv[1])
+"""
+
+
+def test_fused_silu_gives_the_same_bits_with_either_bf16_rounding(tmp_path):
+    """On an AVX512-BF16 CPU the fused gate/up tile rounds to bf16 by the CPU's conversion,
+    elsewhere (or with SGL_CPU_ISA below avx512_bf16) by the integer emulation: the same bits
+    for normal values. Each process decides once, so each rounding runs in its own."""
+    outs = []
+    for isa in ("", "avx512_vnni"):
+        path = tmp_path / f"silu_{isa or 'default'}.pt"
+        env = {**os.environ, "SGL_CPU_ISA": isa}
+        subprocess.run([sys.executable, "-c", _SILU_SCRIPT, str(path)], check=True, env=env,
+                       cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
+                       timeout=120)
+        outs.append(torch.load(path))
+    assert outs[0].dtype == torch.bfloat16 and torch.equal(outs[0], outs[1])
 
 
 def _q4_parts(n: int, k: int):

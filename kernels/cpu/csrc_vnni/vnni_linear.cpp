@@ -40,11 +40,12 @@
 
 #include "../csrc/linear_inputs.h"
 #include "../csrc/prefetch.h"
-#include "../csrc/work_ranges.h"
 #include "quantize_rows.h"
+#include "tile_loops.h"
 #include "vec512.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -55,8 +56,6 @@ namespace {
 constexpr int64_t TILE = 16;        // output features per tile (one zmm of int32 lanes)
 constexpr int64_t Q4_BLOCK = 320;   // bytes per (tile, block), int4
 constexpr int64_t Q8_BLOCK = 512;   // bytes per (tile, block), int8
-constexpr int64_t MAX_MT = 6;       // activation rows per register tile
-constexpr int64_t MB = 66;          // activation rows per cache block (a multiple of MAX_MT)
 constexpr int64_t PREFETCH = 4;     // weight blocks prefetched ahead of the one computed (into
                                     // L1 or L2: ../csrc/prefetch.h)
 
@@ -72,8 +71,9 @@ inline __m512i bcast4(const int8_t* p) {
 
 // y[m0 .. m0+MT, 16 NT features] for the int4 tiles w[0 .. NT). With SILU the tiles are
 // (gate, up) pairs and y gets silu(gate) * up, 16 NT / 2 features: the values
-// sgl_cpu_vnni::silu_mul gives on the unfused output (both rounded to T first).
-template <int NT, int MT, bool SILU, typename T>
+// sgl_cpu_vnni::silu_mul gives on the unfused output (both rounded to T first; with NATIVE,
+// by the CPU's bf16 conversion: the same bits for normal values, native_bf16_rounding).
+template <int NT, int MT, bool SILU, typename T, bool NATIVE = false>
 inline void q4_tile(const uint8_t* const (&w)[NT], int64_t G, const int8_t* qx,
                     const float* dx, const float* cx, int64_t K, T* y, int64_t ldy,
                     int64_t n_valid, bool l2) {
@@ -121,10 +121,14 @@ inline void q4_tile(const uint8_t* const (&w)[NT], int64_t G, const int8_t* qx,
   }
   if constexpr (SILU) {
     for (int r = 0; r < MT; ++r)
-      for (int j = 0; j < NT / 2; ++j)
-        store16(y + r * ldy + j * TILE,
-                sgl_cpu::silu_times<T>(sgl_cpu::round_to<T>(facc[2 * j][r]),
-                                       sgl_cpu::round_to<T>(facc[2 * j + 1][r])));
+      for (int j = 0; j < NT / 2; ++j) {
+        const __m512 v = sgl_cpu::silu_times<T, NATIVE>(sgl_cpu::round_to<T, NATIVE>(facc[2 * j][r]),
+                                                        sgl_cpu::round_to<T, NATIVE>(facc[2 * j + 1][r]));
+        if constexpr (NATIVE && std::is_same_v<T, c10::BFloat16>)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy + j * TILE), sgl_cpu::bf16_native(v));
+        else
+          store16(y + r * ldy + j * TILE, v);
+      }
   } else {
     for (int r = 0; r < MT; ++r)
       for (int i = 0; i < NT; ++i) {
@@ -189,60 +193,17 @@ inline void q8_tile(const uint8_t* w, int64_t tile_bytes, int64_t G, const int8_
   }
 }
 
-// Calls f.template operator()<NT, MT>() for runtime nt (1, 2 or 4) and mt (1..MAX_MT).
-template <typename F>
-inline void with_tile(int64_t nt, int64_t mt, F&& f) {
-  auto by_mt = [&](auto ntile) {
-    constexpr int NTI = decltype(ntile)::value;
-    switch (mt) {
-      case 1: f.template operator()<NTI, 1>(); break;
-      case 2: f.template operator()<NTI, 2>(); break;
-      case 3: f.template operator()<NTI, 3>(); break;
-      case 4: f.template operator()<NTI, 4>(); break;
-      case 5: f.template operator()<NTI, 5>(); break;
-      default: f.template operator()<NTI, 6>(); break;
-    }
-  };
-  if (nt == 4) by_mt(std::integral_constant<int, 4>{});
-  else if (nt == 2) by_mt(std::integral_constant<int, 2>{});
-  else by_mt(std::integral_constant<int, 1>{});
-}
-
-// Runs tile(t0, nt, m0, mt) over [0, units) x [0, M): units (feature tiles, or gate/up tile
-// pairs) split over threads in contiguous ranges, each range walked in groups of `group` units
-// (4 or 2; fewer at its end), rows in cache blocks of MB and register tiles of MAX_MT. A
-// range's items, (cache block, group) block by block, run through sgl_cpu::run_ranges
-// (../csrc/work_ranges.h): a thread done early takes over items of one held up.
-template <typename Tile>
-void for_tiles(int64_t tiles, int64_t M, int64_t group, Tile tile) {
-  const int64_t blocks = (M + MB - 1) / MB;
-  const int64_t n = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (tiles + group - 1) / group));
-  // range r: units [lo, lo + len) in `full` groups, then the rest (< group <= 4) as a pair
-  // and / or a single unit: `steps` in all. On the stack for up to 16 threads (a decode step
-  // makes ~120 calls of a few microseconds).
-  struct Range {
-    int64_t lo, len, full, steps;
-  };
-  Range small[16];
-  std::vector<Range> large(n > 16 ? n : 0);
-  Range* ranges = n > 16 ? large.data() : small;
-  for (int64_t r = 0; r < n; ++r) {
-    const int64_t lo = tiles * r / n, len = tiles * (r + 1) / n - lo, rest = len % group;
-    ranges[r] = {lo, len, len / group, len / group + (rest >= 2) + rest % 2};
-  }
-  // ~3-4 us an item at prefill: the last 8 of a range stay with its owner
-  sgl_cpu::run_ranges(n, [&](int64_t r) { return blocks * ranges[r].steps; }, 8,
-                      [&](int64_t r, int64_t i) {
-    const Range& g = ranges[r];
-    const int64_t k = blocks == 1 ? i : i % g.steps, m0 = blocks == 1 ? 0 : (i / g.steps) * MB;
-    int64_t t = g.lo + k * group, nt = group;
-    if (k >= g.full) {  // the rest: 2 first (if 2 or 3 are left), then 1
-      t = g.lo + g.full * group + (k > g.full ? 2 : 0);
-      nt = (k == g.full && g.len % group >= 2) ? 2 : 1;
-    }
-    const int64_t m1 = std::min(M, m0 + MB);
-    for (int64_t m = m0; m < m1; m += MAX_MT) tile(t, nt, m, std::min(MAX_MT, m1 - m));
-  });
+// Whether the fused SiLU tile rounds to bf16 by the CPU's conversion (sgl_cpu::bf16_native):
+// the CPU has AVX512-BF16 and SGL_CPU_ISA (kernels/cpu_features.py's override) names no lower
+// class, so a test can run the emulated rounding on such a machine too.
+inline bool native_bf16_rounding() {
+  static const bool on = [] {
+    if (!__builtin_cpu_supports("avx512bf16")) return false;
+    const char* isa = std::getenv("SGL_CPU_ISA");
+    return isa == nullptr || *isa == 0 || std::strcmp(isa, "avx512_bf16") == 0 ||
+           std::strcmp(isa, "amx") == 0;
+  }();
+  return on;
 }
 
 void check_packed(const at::Tensor& packed, int64_t N, int64_t tile_bytes, const char* packer) {
@@ -359,6 +320,7 @@ at::Tensor int4_linear_silu(const at::Tensor& x, const at::Tensor& packed, int64
   check_packed(packed, N, tile_bytes, "pack_int4");
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const int64_t up = I / TILE;  // the first up tile
+  const bool native = native_bf16_rounding();
   const bool l2 = sgl_cpu::prefetch_into_l2();
   return run_linear(x, I, 2, 1, [&]<int NP, int MT, typename T>(int64_t p, int64_t m0,
                                                                 const QuantizedRows& q, T* y) {
@@ -369,8 +331,12 @@ at::Tensor int4_linear_silu(const at::Tensor& x, const at::Tensor& packed, int64
         tiles[2 * j] = w + (p + j) * tile_bytes;
         tiles[2 * j + 1] = w + (up + p + j) * tile_bytes;
       }
-      q4_tile<2 * NP, MT, true, T>(tiles, G, q.qx + m0 * K, q.dx + m0 * G, q.cx + m0 * G, K,
-                                   y, I, I - p * TILE, l2);
+      if (native)
+        q4_tile<2 * NP, MT, true, T, true>(tiles, G, q.qx + m0 * K, q.dx + m0 * G,
+                                           q.cx + m0 * G, K, y, I, I - p * TILE, l2);
+      else
+        q4_tile<2 * NP, MT, true, T>(tiles, G, q.qx + m0 * K, q.dx + m0 * G, q.cx + m0 * G, K,
+                                     y, I, I - p * TILE, l2);
     }
   });
 }
