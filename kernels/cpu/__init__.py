@@ -189,8 +189,10 @@ def vnni_int4_linear_silu(x: torch.Tensor, packed: torch.Tensor, out_features: i
     """The gate/up projection and SiLU * up in one pass: x [M, K] float32/bfloat16 and a fused
     [gate; up] weight [2 I, K] packed by :func:`vnni_pack_int4` (``out_features`` = 2 I, I a
     multiple of 16) -> silu(x @ gate.T) * (x @ up.T) [M, I] in x's dtype, bitwise
-    ``silu_mul(vnni_int4_linear(x, packed, 2 I))`` without the [M, 2 I] intermediate. Raises
-    RuntimeError for bad shapes/dtypes."""
+    ``silu_mul(vnni_int4_linear(x, packed, 2 I))`` without the [M, 2 I] intermediate (on an
+    AVX512-BF16 CPU the bfloat16 roundings are the CPU's ``vcvtneps2bf16``: the same bits
+    except for denormals, flushed to zero, and NaN payloads). Raises RuntimeError for bad
+    shapes/dtypes."""
     return torch.ops.sgl_cpu_vnni.int4_linear_silu(x, packed, out_features)
 
 

@@ -113,7 +113,7 @@ inline __m512 reduce16(const __m512* s, Op op) {
 // v's lanes in slot order: lane i of the result = lane SLOT_OF[i] of v (a reduce16 result
 // back in the order of its vectors)
 inline __m512 in_slot_order(__m512 v) {
-  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15), v);
+  return _mm512_permutexvar_ps(_mm512_loadu_si512(SLOT_OF), v);
 }
 
 // silu(g) * u on 16 lanes, g and u values of T (already rounded to it): silu(g) = g / (1 +

@@ -311,7 +311,8 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N)
 // x [M, K] float32/bfloat16, packed from pack_int4 of a fused [gate; up] weight [2 I, K]
 // (I a multiple of 16) -> silu(x @ gate.T) * (x @ up.T) [M, I] in x's dtype: bitwise
 // silu_mul(int4_linear(x, packed, 2 I)), without the [M, 2 I] intermediate (gate tile p and up
-// tile I / 16 + p are computed together and combined in registers).
+// tile I / 16 + p are computed together and combined in registers; with native_bf16_rounding
+// the same bits except denormals and NaN payloads).
 at::Tensor int4_linear_silu(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
   const int64_t K = x.size(1), G = K / QK, tile_bytes = G * Q4_BLOCK, I = N / 2;
   sgl_cpu::check_x(x, K, QK);
