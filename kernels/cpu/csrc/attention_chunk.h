@@ -106,7 +106,7 @@ inline void pv_units(float* const* acc, const float* const* p, const float* corr
 // unit's running max / sum update and probabilities, then the P.V sums (pv_units, three units
 // per V row conversion).
 struct Avx2Chunk {
-static constexpr bool kPrescaled = true, kStage = true;
+static constexpr bool kPrescaled = true, kStage = true, kBase2 = false;
 template <int NV, typename T>
 static void attend(const ChunkRows<T>& rows, int units, const float* const* q, float* const* out,
                    const float* const* valid, float /*scale: q is prescaled*/, float softcap,

@@ -31,9 +31,10 @@ constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 // the one such kernel, which scales the scores), out[u] =
 // (running max m, running sum l, acc [8 NV]) updated in place, valid[u] [CHUNK] 0 / -inf per
 // position (nullptr: every position valid), prs scratch [units][CHUNK] floats; and
-//   static constexpr bool kPrescaled, kStage;
+//   static constexpr bool kPrescaled, kStage, kBase2;
 // kStage: bfloat16 K/V rows shared by many units may be staged as float32 (else rows are
-// always passed in place). Each unit's arithmetic must not depend on the other units it is
+// always passed in place); kBase2: its scores, running max m and exponentials are in base 2
+// (scores scaled by log2(e), exp2), else base e. Each unit's arithmetic must not depend on the other units it is
 // computed with.
 
 inline float exp1(float x) {

@@ -50,7 +50,19 @@ constexpr int MAX_D = 256;
 struct Row {          // one query token of a tile
   int64_t lo, pos;    // it attends to positions [lo, pos]
   float* out;         // its partial for this partition: per query head m, l, acc[D]
+  int64_t token;      // its index in the batch
 };
+
+// A token's only partial (m, l, acc [D]) as its output o [D], acc / l rounded to T, where l > 0
+// and m is finite (else the merge, which handles empty rows, writes the output).
+template <typename T>
+inline void write_single_partial(const float* part, T* o, int64_t D) {
+  if (!(part[1] > 0.0f && std::isfinite(part[0]))) return;
+  // acc * (1 / l), as the merge of one partition gives it (ca = 0, cb = exp(0) = 1)
+  const __m256 vi = _mm256_set1_ps(1.0f / part[1]), zero = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8)
+    store8(o + d, _mm256_mul_ps(_mm256_add_ps(zero, load8(part + 2 + d)), vi));
+}
 
 // Online softmax (Milakov & Gimelshein 2018) of the `rows` query tokens' `group` heads (q:
 // [rows * group] pointers to each unit's query, as the chunk kernel takes it) over the positions [a, e) of one KV head of one
@@ -86,6 +98,14 @@ void attend_tile(const float* const* q, const Row* rows, int nrows, int group, c
   float* outs[TILE * MAX_GROUP];
   const float* valids[TILE * MAX_GROUP];
   alignas(64) float valid[TILE][CHUNK];
+  // chunks within [all_lo, all_hi) hold positions of every row and none to mask: their units
+  // (every row's, unmasked) are listed once and reused
+  int64_t all_lo = a, all_hi = e;
+  for (int r = 0; r < nrows; ++r) {
+    all_lo = std::max(all_lo, rows[r].lo);
+    all_hi = std::min(all_hi, rows[r].pos + 1);
+  }
+  int all_units = 0;  // the length of that list while qs, outs and valids hold it, else 0
   for (int64_t c0 = (a / CHUNK) * CHUNK; c0 < e; c0 += CHUNK) {
     for (int64_t j = 0; j < CHUNK; ++j) {
       const int64_t p = c0 + j;
@@ -112,8 +132,9 @@ void attend_tile(const float* const* q, const Row* rows, int nrows, int group, c
           }
       }
     }
-    int units = 0;
-    for (int r = 0; r < nrows; ++r) {
+    const bool all_full = c0 >= all_lo && c0 + CHUNK <= all_hi, reuse = all_full && all_units > 0;
+    int units = reuse ? all_units : 0;
+    for (int r = 0; r < nrows && !reuse; ++r) {
       const int64_t rlo = std::max(a, rows[r].lo), rhi = std::min(e, rows[r].pos + 1);
       if (rhi <= c0 || rlo >= c0 + CHUNK) continue;  // none of this row's positions
       const bool full = rlo <= c0 && rhi >= c0 + CHUNK;  // no lane to mask
@@ -126,6 +147,7 @@ void attend_tile(const float* const* q, const Row* rows, int nrows, int group, c
         valids[units] = full ? nullptr : valid[r];
       }
     }
+    all_units = all_full ? units : 0;
     if (stage) Chunk::template attend<NV>(staged, units, qs, outs, valids, scale, softcap, prs);
     else Chunk::template attend<NV>(direct, units, qs, outs, valids, scale, softcap, prs);
   }
@@ -212,6 +234,7 @@ void run(const at::Tensor& q, const at::Tensor& kbuf, const at::Tensor& vbuf,
   const KV* vp = vbuf.data_ptr<KV>();
   const int64_t row_stride = Hkv * D;
   const bool l2 = prefetch_into_l2();
+  T* op = out.data_ptr<T>();
   auto work = [&](int64_t lo_i, int64_t hi_i) {  // items [lo_i, hi_i) on this thread
     std::vector<float> qs(Chunk::kPrescaled ? TILE * MAX_GROUP * D : 0), kst(CHUNK * D),
         vst(CHUNK * D);
@@ -237,6 +260,7 @@ void run(const at::Tensor& q, const at::Tensor& kbuf, const at::Tensor& vbuf,
             qrows[nrows * group + g] = reinterpret_cast<const float*>(src);
           }
         }
+        rows[nrows].token = tk;
         rows[nrows].lo = std::max(tok_lo[tk], it.part * PART);
         rows[nrows].pos = std::min(tok_pos[tk], (it.part + 1) * PART - 1);
         if (it.part < j0 || it.part > tok_pos[tk] / PART) {
@@ -266,37 +290,42 @@ void run(const at::Tensor& q, const at::Tensor& kbuf, const at::Tensor& vbuf,
         SGL_NV(25) SGL_NV(26) SGL_NV(27) SGL_NV(28) SGL_NV(29) SGL_NV(30) SGL_NV(31) SGL_NV(32)
 #undef SGL_NV
       }
+      // a token whose positions all lie in this partition: its output now, from the partial
+      // still in this core's cache (the merge below skips it)
+      for (int r = 0; r < nrows; ++r) {
+        const int64_t tk = rows[r].token;
+        if (part_off[tk + 1] - part_off[tk] != 1) continue;
+        for (int g = 0; g < group; ++g)
+          write_single_partial(rows[r].out + g * (D + 2),
+                               op + (tk * Hq + it.head * group + g) * D, D);
+      }
     }
   };
   const std::vector<int64_t> bounds = split_by_cost(items, tok_pos, tok_lo, group);
   at::parallel_for(0, static_cast<int64_t>(bounds.size()) - 1, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) work(bounds[t], bounds[t + 1]);
   });
-  // merge each token's partitions in order
-  T* op = out.data_ptr<T>();
+  // merge each token's partitions in order (m in base 2 for a kBase2 kernel: 2^x = e^(x ln 2))
+  const float unit = Chunk::kBase2 ? 0.693147180559945309f : 1.0f;
   at::parallel_for(0, ntok * Hq, 16, [&](int64_t lo_i, int64_t hi_i) {
     std::vector<float> acc(D);
     for (int64_t w = lo_i; w < hi_i; ++w) {
       const int64_t tk = w / Hq, hq = w % Hq;
       T* o = op + (tk * Hq + hq) * D;
       const float* first = partials.get() + part_off[tk] * pstride + hq * (D + 2);
-      if (part_off[tk + 1] - part_off[tk] == 1 && first[1] > 0.0f && std::isfinite(first[0])) {
-        // One partition (every token of a prompt's first PART positions): the merge below
-        // would give ca = 0, cb = exp(0) = 1, so l = part[1] and acc = 0 + part: the same bits
-        // without its two exp calls (~10% of a 2 x 512 prefill's attention).
-        const __m256 vi = _mm256_set1_ps(1.0f / first[1]), zero = _mm256_setzero_ps();
-        for (int64_t d = 0; d < D; d += 8)
-          store8(o + d, _mm256_mul_ps(_mm256_add_ps(zero, load8(first + 2 + d)), vi));
+      // One partition (every token of a prompt's first PART positions): written by its work
+      // item (write_single_partial), the same bits as the merge below without its two exp
+      // calls (~10% of a 2 x 512 prefill's attention) or a second read of the partial.
+      if (part_off[tk + 1] - part_off[tk] == 1 && first[1] > 0.0f && std::isfinite(first[0]))
         continue;
-      }
       float m = NEG_INF, l = 0.0f;
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t pi = part_off[tk]; pi < part_off[tk + 1]; ++pi) {
         const float* part = partials.get() + pi * pstride + hq * (D + 2);
         if (part[1] == 0.0f) continue;
         const float mx = std::max(m, part[0]);
-        const float ca = m == NEG_INF ? 0.0f : exp1(m - mx);
-        const float cb = exp1(part[0] - mx);
+        const float ca = m == NEG_INF ? 0.0f : exp1((m - mx) * unit);
+        const float cb = exp1((part[0] - mx) * unit);
         const __m256 va = _mm256_set1_ps(ca), vb = _mm256_set1_ps(cb);
         for (int64_t d = 0; d < D; d += 8)  // acc * ca + part * cb, rounded as written
           store8(acc.data() + d, _mm256_add_ps(_mm256_mul_ps(load8(acc.data() + d), va),

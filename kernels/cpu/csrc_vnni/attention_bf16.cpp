@@ -9,7 +9,11 @@
 // products chained over c in order, with no horizontal sums; V rows are interleaved in
 // position pairs vp[i] (lane d holds v[2i][d], v[2i + 1][d]), so P.V is a chain over pairs in
 // order, p rounded to bfloat16 as flash-attention kernels do (Dao 2023, FlashAttention-2 sec.
-// 3.1: P in the matmul dtype, the running sum l in float32). A score or output lane's
+// 3.1: P in the matmul dtype, the running sum l in float32). The softmax runs in base 2, as
+// FlashAttention-2's kernels do (exp2 with log2(e) folded into the softmax scale): scores are
+// scaled by scale * log2(e) (by log2(e) after soft-capping, where there is one), m is in base
+// 2 and each exponential is exp2_512's 9 operations instead of exp512's 15; with 8+ units the
+// probabilities are stored as bf16 straight from the softmax. A score or output lane's
 // arithmetic is the same whatever units, tile or batch it is computed with, decode or extend.
 #include <torch/library.h>
 
@@ -144,7 +148,7 @@ SGL_INLINE void pv_bf16(float* const* acc, const uint32_t* const* pw, const floa
 }
 
 struct Bf16Chunk {
-  static constexpr bool kPrescaled = false, kStage = false;
+  static constexpr bool kPrescaled = false, kStage = false, kBase2 = true;
   template <int NV, typename T>
   static void attend(const ChunkRows<T>& rows, int units, const float* const* q,
                      float* const* out, const float* const* valid, float scale, float softcap,
@@ -161,18 +165,20 @@ struct Bf16Chunk {
       const uint32_t* pw[TILE * MAX_GROUP];
       float* accs[TILE * MAX_GROUP];
       float corrs[TILE * MAX_GROUP];
+      // scores in base 2 (kBase2): log2(e) folded into the scale, or applied after capping
+      const float qk_scale = softcap > 0.0f ? scale : scale * LOG2E;
       transpose_k<D>(rows, kt);
       interleave_v<D>(rows, vp);
       for (int u = 0; u < units; ++u)  // the driver passes q as it came: bfloat16 pairs
         qw[u] = reinterpret_cast<const uint32_t*>(q[u]);
       auto scores = [&](int u0, int n, __m512 (*sc)[CHUNK / 16]) {  // n <= QU units
         switch (n) {
-          case 6: qk_bf16<6, D>(qw + u0, kt, scale, sc); break;
-          case 5: qk_bf16<5, D>(qw + u0, kt, scale, sc); break;
-          case 4: qk_bf16<4, D>(qw + u0, kt, scale, sc); break;
-          case 3: qk_bf16<3, D>(qw + u0, kt, scale, sc); break;
-          case 2: qk_bf16<2, D>(qw + u0, kt, scale, sc); break;
-          default: qk_bf16<1, D>(qw + u0, kt, scale, sc); break;
+          case 6: qk_bf16<6, D>(qw + u0, kt, qk_scale, sc); break;
+          case 5: qk_bf16<5, D>(qw + u0, kt, qk_scale, sc); break;
+          case 4: qk_bf16<4, D>(qw + u0, kt, qk_scale, sc); break;
+          case 3: qk_bf16<3, D>(qw + u0, kt, qk_scale, sc); break;
+          case 2: qk_bf16<2, D>(qw + u0, kt, qk_scale, sc); break;
+          default: qk_bf16<1, D>(qw + u0, kt, qk_scale, sc); break;
         }
       };
       if (units < SOFTMAX16_UNITS) {
@@ -180,20 +186,22 @@ struct Bf16Chunk {
         for (int u0 = 0; u0 < units; u0 += QU) {
           const int n = std::min(QU, units - u0);
           scores(u0, n, sc);
-          softmax_step(sc, n, u0, out, valid, softcap, prs, corrs);
+          softmax_step<true>(sc, n, u0, out, valid, softcap, prs, corrs);
         }
       } else {  // the same bits, the softmax of 16 units at a time
         __m512 sc[16][CHUNK / 16];
         for (int u0 = 0; u0 < units; u0 += 16) {
           const int n = std::min(16, units - u0);
           for (int v0 = 0; v0 < n; v0 += QU) scores(u0 + v0, std::min(QU, n - v0), sc + v0);
-          softmax_step16(sc, n, u0, out, valid, softcap, prs, corrs);
+          softmax_step16<true, true>(sc, n, u0, out, valid, softcap, prs, corrs);  // p in bf16
         }
       }
-      for (int u = 0; u < units; ++u) {  // p as bf16 pairs, in place over its float32 copy
+      for (int u = 0; u < units; ++u) {
         float* pr = prs + u * CHUNK;
-        const __m512bh b = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(pr + 16), _mm512_loadu_ps(pr));
-        _mm512_storeu_si512(pr, (__m512i)b);
+        if (units < SOFTMAX16_UNITS) {  // p as bf16 pairs, in place over its float32 copy
+          const __m512bh b = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(pr + 16), _mm512_loadu_ps(pr));
+          _mm512_storeu_si512(pr, (__m512i)b);
+        }
         pw[u] = reinterpret_cast<const uint32_t*>(pr);
         accs[u] = out[u] + 2;
       }

@@ -143,8 +143,20 @@ void pv_units(float* const* acc, const float* const* p, const float* corr,
   }
 }
 
-// One unit's chunk of scores: soft-capping (softcap * tanh(s / softcap), when softcap > 0),
-// then the mask (valid: 0 / -inf per position, nullptr for none).
+constexpr float LOG2E = 1.44269504088896341f;
+
+// Scores in base 2 (BASE2: a chunk kernel whose scores are scaled by log2(e), so its softmax
+// runs on exp2_512, its m in base 2) or in base e (exp512).
+template <bool BASE2>
+SGL_INLINE __m512 exp_scores(__m512 x) {
+  if constexpr (BASE2) return exp2_512(x);
+  else return exp512(x);
+}
+
+// One unit's chunk of scores: soft-capping (softcap * tanh(s / softcap), when softcap > 0, on
+// scores in base e: with BASE2 they come unscaled by log2(e) and are scaled after it), then
+// the mask (valid: 0 / -inf per position, nullptr for none).
+template <bool BASE2>
 SGL_INLINE void cap_and_mask(__m512* sc, float softcap, const float* valid) {
   for (int h = 0; h < CHUNK / 16; ++h) {
     if (softcap > 0.0f) {
@@ -152,6 +164,7 @@ SGL_INLINE void cap_and_mask(__m512* sc, float softcap, const float* valid) {
       _mm512_store_ps(buf, sc[h]);
       for (int j = 0; j < 16; ++j) buf[j] = softcap * std::tanh(buf[j] / softcap);
       sc[h] = _mm512_load_ps(buf);
+      if constexpr (BASE2) sc[h] = _mm512_mul_ps(sc[h], _mm512_set1_ps(LOG2E));
     }
     if (valid != nullptr)  // -inf: masked
       sc[h] = _mm512_add_ps(sc[h], _mm512_loadu_ps(valid + 16 * h));
@@ -163,6 +176,7 @@ SGL_INLINE void cap_and_mask(__m512* sc, float softcap, const float* valid) {
 // and sum l in out[u], the probabilities exp(s - m) into prs + u * CHUNK (float32) and the
 // rescale of the old sums, exp(m_old - m_new), into corrs[u] (0 where nothing was accumulated
 // yet). The rescales of the n units are one vector exp; every lane is computed alike.
+template <bool BASE2>
 SGL_INLINE void softmax_step(__m512 (*sc)[CHUNK / 16], int n, int u0, float* const* out,
                              const float* const* valid, float softcap, float* prs,
                              float* corrs) {
@@ -170,18 +184,18 @@ SGL_INLINE void softmax_step(__m512 (*sc)[CHUNK / 16], int n, int u0, float* con
   float mxs[16];
   for (int i = 0; i < n; ++i) {
     const int u = u0 + i;
-    cap_and_mask(sc[i], softcap, valid[u]);
+    cap_and_mask<BASE2>(sc[i], softcap, valid[u]);
     const float m = out[u][0];
     mxs[i] = std::max(m, _mm512_reduce_max_ps(_mm512_max_ps(sc[i][0], sc[i][1])));
     delta[i] = m == NEG_INF ? NEG_INF : m - mxs[i];
   }
-  _mm512_store_ps(delta, exp512(_mm512_load_ps(delta)));  // exp(-inf) = 0
+  _mm512_store_ps(delta, exp_scores<BASE2>(_mm512_load_ps(delta)));  // exp(-inf) = 0
   for (int i = 0; i < n; ++i) {
     const int u = u0 + i;
     float* o = out[u];
     const __m512 mxv = _mm512_set1_ps(mxs[i]);
-    const __m512 p0 = exp512(_mm512_sub_ps(sc[i][0], mxv));  // 0 on masked lanes
-    const __m512 p1 = exp512(_mm512_sub_ps(sc[i][1], mxv));
+    const __m512 p0 = exp_scores<BASE2>(_mm512_sub_ps(sc[i][0], mxv));  // 0 on masked lanes
+    const __m512 p1 = exp_scores<BASE2>(_mm512_sub_ps(sc[i][1], mxv));
     _mm512_storeu_ps(prs + u * CHUNK, p0);
     _mm512_storeu_ps(prs + u * CHUNK + 16, p1);
     o[1] = o[1] * delta[i] + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
@@ -194,7 +208,9 @@ SGL_INLINE void softmax_step(__m512 (*sc)[CHUNK / 16], int n, int u0, float* con
 // the 16 units' max(s0, s1) and p0 + p1 vectors go through reduce16's tree (vec512.h; with
 // max, then with add), whose order is _mm512_reduce_add_ps's, so every unit's m, l, p and
 // rescale are bitwise softmax_step's, without its two horizontal reductions and scalar
-// updates per unit. Lane SLOT_OF[i] holds unit i.
+// updates per unit. Lane SLOT_OF[i] holds unit i. BF16P: the probabilities go to prs +
+// u * CHUNK as 32 bfloat16 (bf16_native: only where the CPU has AVX512-BF16), not float32.
+template <bool BASE2, bool BF16P = false>
 SGL_INLINE void softmax_step16(__m512 (*sc)[CHUNK / 16], int n, int u0, float* const* out,
                                const float* const* valid, float softcap, float* prs,
                                float* corrs) {
@@ -210,7 +226,7 @@ SGL_INLINE void softmax_step16(__m512 (*sc)[CHUNK / 16], int n, int u0, float* c
       continue;
     }
     const int u = u0 + i;
-    cap_and_mask(sc[i], softcap, valid[u]);
+    cap_and_mask<BASE2>(sc[i], softcap, valid[u]);
     s[i] = _mm512_max_ps(sc[i][0], sc[i][1]);
     m_old[slot] = out[u][0];
     l_old[slot] = out[u][1];
@@ -219,7 +235,7 @@ SGL_INLINE void softmax_step16(__m512 (*sc)[CHUNK / 16], int n, int u0, float* c
   // std::max(m, x) is x where m < x, else m: vmaxps(x, m) (the second operand on ties)
   const __m512 mn = _mm512_max_ps(reduce16(s, [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); }), mo);
   const __mmask16 fresh = _mm512_cmp_ps_mask(mo, neg_inf, _CMP_EQ_OQ);
-  const __m512 cv = exp512(_mm512_mask_blend_ps(fresh, _mm512_sub_ps(mo, mn), neg_inf));  // exp(-inf) = 0
+  const __m512 cv = exp_scores<BASE2>(_mm512_mask_blend_ps(fresh, _mm512_sub_ps(mo, mn), neg_inf));  // exp(-inf) = 0
   _mm512_store_ps(m_new, mn);
   _mm512_store_ps(corr, cv);
   for (int i = 0; i < 16; ++i) {
@@ -229,10 +245,16 @@ SGL_INLINE void softmax_step16(__m512 (*sc)[CHUNK / 16], int n, int u0, float* c
     }
     const int u = u0 + i;
     const __m512 mxv = _mm512_set1_ps(m_new[SLOT_OF[i]]);
-    const __m512 p0 = exp512(_mm512_sub_ps(sc[i][0], mxv));  // 0 on masked lanes
-    const __m512 p1 = exp512(_mm512_sub_ps(sc[i][1], mxv));
-    _mm512_storeu_ps(prs + u * CHUNK, p0);
-    _mm512_storeu_ps(prs + u * CHUNK + 16, p1);
+    const __m512 p0 = exp_scores<BASE2>(_mm512_sub_ps(sc[i][0], mxv));  // 0 on masked lanes
+    const __m512 p1 = exp_scores<BASE2>(_mm512_sub_ps(sc[i][1], mxv));
+    if constexpr (BF16P) {
+      __m256i* pb = reinterpret_cast<__m256i*>(prs + u * CHUNK);
+      _mm256_storeu_si256(pb, bf16_native(p0));
+      _mm256_storeu_si256(pb + 1, bf16_native(p1));
+    } else {
+      _mm512_storeu_ps(prs + u * CHUNK, p0);
+      _mm512_storeu_ps(prs + u * CHUNK + 16, p1);
+    }
     s[i] = _mm512_add_ps(p0, p1);
   }
   // l * rescale + sum, one rounding (softmax_step's scalar expression is contracted to an FMA)
@@ -247,7 +269,7 @@ SGL_INLINE void softmax_step16(__m512 (*sc)[CHUNK / 16], int n, int u0, float* c
 }
 
 struct Avx512Chunk {
-  static constexpr bool kPrescaled = true, kStage = true;
+  static constexpr bool kPrescaled = true, kStage = true, kBase2 = false;
   template <int NV, typename T>
   static void attend(const ChunkRows<T>& rows, int units, const float* const* q,
                      float* const* out, const float* const* valid, float /*scale*/,
@@ -268,7 +290,7 @@ struct Avx512Chunk {
         case 2: qk_block<2, NV16>(q + u0, rows, tail, sc); break;
         default: qk_block<1, NV16>(q + u0, rows, tail, sc); break;
       }
-      softmax_step(sc, n, u0, out, valid, softcap, prs, corrs);
+      softmax_step<false>(sc, n, u0, out, valid, softcap, prs, corrs);
     }
     for (int u = 0; u < units; ++u) {
       accs[u] = out[u] + 2;

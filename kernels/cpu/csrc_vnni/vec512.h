@@ -6,6 +6,8 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <type_traits>
 
 namespace sgl_cpu {
@@ -44,6 +46,23 @@ inline __m512 exp512(__m512 x) {
   return _mm512_maskz_scalef_ps(keep, y, n);
 }
 
+// 2^x on 16 lanes: x = n + r (n = round(x), |r| <= 1 / 2), 2^r by a degree-5 polynomial
+// (Horner; coefficients fitted for relative error on [-1/2, 1/2], 2.4e-7 in float32),
+// scaled by 2^n with vscalefps; x < -126 (so -inf) and NaN give 0. For softmax scores
+// already in base 2 (log2(e) folded into their scale): 9 operations where exp512 takes 15.
+inline __m512 exp2_512(__m512 x) {
+  const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_GE_OQ);
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_sub_ps(x, n);
+  __m512 y = _mm512_set1_ps(1.327650505118072e-3f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(9.675541892647743e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.550713092088699e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(2.4022120237350464e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(6.931469440460205e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0000001192092896f));
+  return _mm512_maskz_scalef_ps(keep, y, n);
+}
+
 // The bits of bfloat16(v) in the high half of each lane (low half zero): round to nearest
 // even, NaN -> 0x7FC0, exactly as c10::BFloat16(float).
 inline __m512i bf16_bits_hi(__m512 v) {
@@ -77,6 +96,31 @@ inline __m256i bf16_native(__m512 v) {
   __m256i h;
   asm("vcvtneps2bf16 %1, %0" : "=v"(h) : "v"(v));
   return h;
+}
+
+// Whether bf16 rounding runs on the CPU's conversion (bf16_native) in the kernels that offer
+// it (the fused gate/up SiLU tile, the norms, RoPE): the CPU has AVX512-BF16 and SGL_CPU_ISA
+// (kernels/cpu_features.py's override) names no lower class, so a test can run the emulated
+// rounding on such a machine too. Decided once per process.
+inline bool native_bf16_rounding() {
+  static const bool on = [] {
+    if (!__builtin_cpu_supports("avx512bf16")) return false;
+    const char* isa = std::getenv("SGL_CPU_ISA");
+    return isa == nullptr || *isa == 0 || std::strcmp(isa, "avx512_bf16") == 0 ||
+           std::strcmp(isa, "amx") == 0;
+  }();
+  return on;
+}
+
+// store16, rounding by bf16_native where NATIVE and T is bfloat16
+template <bool NATIVE, typename T>
+inline void store16_as(T* p, __m512 v, __mmask16 m = 0xFFFF) {
+  if constexpr (NATIVE && std::is_same_v<T, c10::BFloat16>) {
+    if (m == 0xFFFF) _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16_native(v));
+    else _mm256_mask_storeu_epi16(p, m, bf16_native(v));
+  } else {
+    store16(p, v, m);
+  }
 }
 
 // v rounded to T and back to float32 (what static_cast<float>(static_cast<T>(v)) gives;
