@@ -105,32 +105,48 @@ def test_fused_gate_up_silu_is_bitwise_the_unfused_pair(m, i, k, dtype):
                                      2 * i + 16)
 
 
-_SILU_SCRIPT = """
+_ROUNDING_SCRIPT = """
 import sys, torch
 from kernels import cpu as native
 from server.model.quantization import quantize_int4
+ops = torch.ops.sgl_cpu_vnni
 torch.manual_seed(7)
 qw = quantize_int4(torch.randn(2 * 80, 576))
 packed = native.vnni_pack_int4(qw.q, qw.scale, qw.zero)
 x = (3 * torch.randn(67, 576)).to(torch.bfloat16)
 x[0, :5] = torch.tensor([0.0, -0.0, 1e-3, 60.0, -60.0])
-torch.save(native.vnni_int4_linear_silu(x, packed, 2 * 80), sys.argv[1])
+out = {"silu": native.vnni_int4_linear_silu(x, packed, 2 * 80)}
+w = torch.randn(576).to(torch.bfloat16)
+out["norm"] = ops.rms_norm(x, w, 1e-5)
+residual = torch.randn(67, 576).to(torch.bfloat16)
+out["add_norm"] = ops.add_rms_norm(x, residual, w, 1e-5)
+out["residual"] = residual
+qkv = torch.randn(5, (9 + 2 * 3) * 64).to(torch.bfloat16)
+angle = torch.arange(5)[:, None] * torch.rand(64)
+k_buf, v_buf = torch.zeros(8, 3, 64, dtype=torch.bfloat16), torch.zeros(8, 3, 64, dtype=torch.bfloat16)
+ops.rope_store(qkv, angle.cos().to(torch.bfloat16), angle.sin().to(torch.bfloat16), 9, 3, 64,
+               k_buf, v_buf, torch.tensor([3, 0, 7, 1, 5]))
+out["rope"], out["k"] = qkv, k_buf
+torch.save(out, sys.argv[1])
 """
 
 
-def test_fused_silu_gives_the_same_bits_with_either_bf16_rounding(tmp_path):
-    """On an AVX512-BF16 CPU the fused gate/up tile rounds to bf16 by the CPU's conversion,
-    elsewhere (or with SGL_CPU_ISA below avx512_bf16) by the integer emulation: the same bits
-    for normal values. Each process decides once, so each rounding runs in its own."""
+def test_native_bf16_rounding_gives_the_emulations_bits(tmp_path):
+    """On an AVX512-BF16 CPU the fused gate/up tile, the norms and RoPE round to bf16 by the
+    CPU's conversion, elsewhere (or with SGL_CPU_ISA below avx512_bf16) by the integer
+    emulation: the same bits for normal values. Each process decides once, so each rounding
+    runs in its own."""
     outs = []
     for isa in ("", "avx512_vnni"):
-        path = tmp_path / f"silu_{isa or 'default'}.pt"
+        path = tmp_path / f"rounding_{isa or 'default'}.pt"
         env = {**os.environ, "SGL_CPU_ISA": isa}
-        subprocess.run([sys.executable, "-c", _SILU_SCRIPT, str(path)], check=True, env=env,
+        subprocess.run([sys.executable, "-c", _ROUNDING_SCRIPT, str(path)], check=True, env=env,
                        cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
                        timeout=120)
         outs.append(torch.load(path))
-    assert outs[0].dtype == torch.bfloat16 and torch.equal(outs[0], outs[1])
+    assert outs[0].keys() == outs[1].keys() == {"silu", "norm", "add_norm", "residual", "rope", "k"}
+    for name, got in outs[0].items():
+        assert got.dtype == torch.bfloat16 and torch.equal(got, outs[1][name]), name
 
 
 def _q4_parts(n: int, k: int):

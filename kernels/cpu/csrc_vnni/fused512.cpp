@@ -39,7 +39,9 @@ void silu_mul_rows(const T* g, T* o, int64_t T0, int64_t T1, int64_t I) {
   }
 }
 
-template <typename T>
+// NATIVE: bf16 roundings by the CPU's conversion (sgl_cpu::bf16_native; the same bits for normal
+// values, sgl_cpu::native_bf16_rounding decides), here and in add_rms_norm and rope_store
+template <typename T, bool NATIVE>
 void norm_row(const T* x, const T* w, int64_t H, float eps, T* y) {
   using sgl_cpu::lanes;
   using sgl_cpu::load16;
@@ -60,17 +62,20 @@ void norm_row(const T* x, const T* w, int64_t H, float eps, T* y) {
   // HF: weight * (x * rsqrt(mean(x^2) + eps)).to(dtype): the normalized value rounded to T first
   for (i = 0; i < H; i += 16) {
     const __mmask16 m = lanes(H - i);
-    sgl_cpu::store16(y + i, _mm512_mul_ps(load16(w + i, m),
-                                          sgl_cpu::round_to<T>(_mm512_mul_ps(load16(x + i, m), inv))),
-                     m);
+    sgl_cpu::store16_as<NATIVE>(
+        y + i, _mm512_mul_ps(load16(w + i, m), sgl_cpu::round_to<T, NATIVE>(_mm512_mul_ps(load16(x + i, m), inv))),
+        m);
   }
 }
 
-// f(pointer of x's dtype, the same for out) for float32 or bfloat16 tensors
+// f(pointer of x's dtype, the same for out, native) for float32 or bfloat16 tensors, native
+// a std::bool_constant: whether bf16 rounds by the CPU's conversion
 template <typename F>
 void with_rows(const at::Tensor& x, at::Tensor& out, F&& f) {
-  if (x.scalar_type() == at::kFloat) f(x.data_ptr<float>(), out.data_ptr<float>());
-  else f(x.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>());
+  if (x.scalar_type() == at::kFloat) f(x.data_ptr<float>(), out.data_ptr<float>(), std::false_type{});
+  else if (sgl_cpu::native_bf16_rounding())
+    f(x.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), std::true_type{});
+  else f(x.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), std::false_type{});
 }
 
 }  // namespace
@@ -80,11 +85,12 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   auto y = at::empty_like(x);
   const int64_t T = x.size(0), H = x.size(1);
   const auto wc = w.contiguous();
-  with_rows(x, y, [&](auto* xp, auto* yp) {
+  with_rows(x, y, [&](auto* xp, auto* yp, auto native) {
     using T_ = std::remove_pointer_t<decltype(xp)>;
     const T_* wp = wc.data_ptr<T_>();
     at::parallel_for(0, T, 64, [&](int64_t lo, int64_t hi) {
-      for (int64_t t = lo; t < hi; ++t) norm_row(xp + t * H, wp, H, static_cast<float>(eps), yp + t * H);
+      for (int64_t t = lo; t < hi; ++t)
+        norm_row<T_, decltype(native)::value>(xp + t * H, wp, H, static_cast<float>(eps), yp + t * H);
     });
   });
   return y;
@@ -98,7 +104,8 @@ at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Ten
   auto y = at::empty_like(x);
   const int64_t T = x.size(0), H = x.size(1);
   const auto wc = w.contiguous();
-  with_rows(residual, y, [&](auto* rp, auto* yp) {
+  with_rows(residual, y, [&](auto* rp, auto* yp, auto native) {
+    constexpr bool NATIVE = decltype(native)::value;
     using T_ = std::remove_pointer_t<decltype(rp)>;
     const T_* xp = x.data_ptr<T_>();
     const T_* wp = wc.data_ptr<T_>();
@@ -107,10 +114,10 @@ at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Ten
         T_* r = rp + t * H;
         for (int64_t i = 0; i < H; i += 16) {  // the sum rounded to T, as the AVX2 op
           const __mmask16 m = sgl_cpu::lanes(H - i);
-          sgl_cpu::store16(r + i, _mm512_add_ps(sgl_cpu::load16(r + i, m),
-                                                sgl_cpu::load16(xp + t * H + i, m)), m);
+          sgl_cpu::store16_as<NATIVE>(r + i, _mm512_add_ps(sgl_cpu::load16(r + i, m),
+                                                           sgl_cpu::load16(xp + t * H + i, m)), m);
         }
-        norm_row(r, wp, H, static_cast<float>(eps), yp + t * H);
+        norm_row<T_, NATIVE>(r, wp, H, static_cast<float>(eps), yp + t * H);
       }
     });
   });
@@ -127,9 +134,10 @@ void rope_store(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, i
       sgl_cpu::check_rope_store(qkv, cos, sin, num_q, num_kv, head_dim, k_buf, v_buf, loc);
   const int64_t T = qkv.size(0), D = head_dim, half = D / 2, width = (num_q + 2 * num_kv) * D;
   const int64_t* lp = lc.data_ptr<int64_t>();
-  auto run = [&](auto* p, auto* kp, auto* vp) {
+  auto run = [&](auto* p, auto* kp, auto* vp, auto native) {
     using T_ = std::remove_pointer_t<decltype(p)>;
     using KV = std::remove_pointer_t<decltype(kp)>;
+    constexpr bool NATIVE = decltype(native)::value;
     using sgl_cpu::load16;
     using sgl_cpu::round_to;
     const T_* cp = reinterpret_cast<const T_*>(cos.data_ptr());
@@ -151,12 +159,12 @@ void rope_store(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, i
           for (int64_t i = 0; i < half; i += 16) {
             const __mmask16 m = sgl_cpu::lanes(half - i);
             const __m512 a = load16(x + i, m), b = load16(x + i + half, m);
-            const __m512 a_cos = round_to<T_>(mul(a, load16(c + i, m)));
-            const __m512 nb_sin = round_to<T_>(mul(_mm512_xor_ps(b, neg), load16(s + i, m)));
-            const __m512 b_cos = round_to<T_>(mul(b, load16(c + i + half, m)));
-            const __m512 a_sin = round_to<T_>(mul(a, load16(s + i + half, m)));
-            sgl_cpu::store16(x + i, _mm512_add_ps(a_cos, nb_sin), m);
-            sgl_cpu::store16(x + i + half, _mm512_add_ps(b_cos, a_sin), m);
+            const __m512 a_cos = round_to<T_, NATIVE>(mul(a, load16(c + i, m)));
+            const __m512 nb_sin = round_to<T_, NATIVE>(mul(_mm512_xor_ps(b, neg), load16(s + i, m)));
+            const __m512 b_cos = round_to<T_, NATIVE>(mul(b, load16(c + i + half, m)));
+            const __m512 a_sin = round_to<T_, NATIVE>(mul(a, load16(s + i + half, m)));
+            sgl_cpu::store16_as<NATIVE>(x + i, _mm512_add_ps(a_cos, nb_sin), m);
+            sgl_cpu::store16_as<NATIVE>(x + i + half, _mm512_add_ps(b_cos, a_sin), m);
           }
         }
         // K and V to the pool: as they are, rounded to nearest even or widened (exact)
@@ -172,12 +180,13 @@ void rope_store(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, i
       }
     });
   };
-  auto with_kv = [&](auto* p) {
-    if (k_buf.scalar_type() == at::kFloat) run(p, k_buf.data_ptr<float>(), v_buf.data_ptr<float>());
-    else run(p, k_buf.data_ptr<c10::BFloat16>(), v_buf.data_ptr<c10::BFloat16>());
+  auto with_kv = [&](auto* p, auto native) {
+    if (k_buf.scalar_type() == at::kFloat) run(p, k_buf.data_ptr<float>(), v_buf.data_ptr<float>(), native);
+    else run(p, k_buf.data_ptr<c10::BFloat16>(), v_buf.data_ptr<c10::BFloat16>(), native);
   };
-  if (qkv.scalar_type() == at::kFloat) with_kv(qkv.data_ptr<float>());
-  else with_kv(qkv.data_ptr<c10::BFloat16>());
+  if (qkv.scalar_type() == at::kFloat) with_kv(qkv.data_ptr<float>(), std::false_type{});
+  else if (sgl_cpu::native_bf16_rounding()) with_kv(qkv.data_ptr<c10::BFloat16>(), std::true_type{});
+  else with_kv(qkv.data_ptr<c10::BFloat16>(), std::false_type{});
 }
 
 at::Tensor silu_mul(const at::Tensor& gate_up) {

@@ -45,7 +45,6 @@
 #include "vec512.h"
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -193,19 +192,6 @@ inline void q8_tile(const uint8_t* w, int64_t tile_bytes, int64_t G, const int8_
   }
 }
 
-// Whether the fused SiLU tile rounds to bf16 by the CPU's conversion (sgl_cpu::bf16_native):
-// the CPU has AVX512-BF16 and SGL_CPU_ISA (kernels/cpu_features.py's override) names no lower
-// class, so a test can run the emulated rounding on such a machine too.
-inline bool native_bf16_rounding() {
-  static const bool on = [] {
-    if (!__builtin_cpu_supports("avx512bf16")) return false;
-    const char* isa = std::getenv("SGL_CPU_ISA");
-    return isa == nullptr || *isa == 0 || std::strcmp(isa, "avx512_bf16") == 0 ||
-           std::strcmp(isa, "amx") == 0;
-  }();
-  return on;
-}
-
 void check_packed(const at::Tensor& packed, int64_t N, int64_t tile_bytes, const char* packer) {
   const int64_t tiles = (N + TILE - 1) / TILE;
   TORCH_CHECK(packed.dim() == 2 && packed.size(0) == tiles && packed.size(1) == tile_bytes &&
@@ -321,7 +307,7 @@ at::Tensor int4_linear_silu(const at::Tensor& x, const at::Tensor& packed, int64
   check_packed(packed, N, tile_bytes, "pack_int4");
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const int64_t up = I / TILE;  // the first up tile
-  const bool native = native_bf16_rounding();
+  const bool native = sgl_cpu::native_bf16_rounding();
   const bool l2 = sgl_cpu::prefetch_into_l2();
   return run_linear(x, I, 2, 1, [&]<int NP, int MT, typename T>(int64_t p, int64_t m0,
                                                                 const QuantizedRows& q, T* y) {
