@@ -47,7 +47,6 @@ QuantizedRows quantize_rows(const T* x, int64_t M, int64_t K) {
     int32_t* const ss = sp;
     float* const cs = cp;
     const int64_t KK = K, GG = G;
-    const __m512i lim = _mm512_set1_epi32(127), nlim = _mm512_set1_epi32(-127);
     const auto max_op = [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); };
     const auto add_op = [](__m512 a, __m512 b) {  // int32 lanes
       return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
@@ -67,25 +66,31 @@ QuantizedRows quantize_rows(const T* x, int64_t M, int64_t K) {
                         : _mm512_setzero_ps();
         const __m512 amax = sgl_cpu::in_slot_order(sgl_cpu::reduce16(v, max_op));
         const __m512 d = _mm512_div_ps(amax, _mm512_set1_ps(127.0f));
-        // x * id is within [-127, 127] up to rounding: clamped before the narrowing pack
         const __m512 id = _mm512_maskz_div_ps(
             _mm512_cmp_ps_mask(amax, _mm512_setzero_ps(), _CMP_GT_OQ), _mm512_set1_ps(127.0f), amax);
         alignas(64) float idv[16];
         _mm512_store_ps(idv, id);
-        for (int i = 0; i < 16; ++i) {
-          if (i >= nb) {
-            v[i] = _mm512_setzero_ps();
-            continue;
+        // two blocks a step: their four int32 vectors narrowed to 64 bytes by the saturating
+        // packs (exact: |x| * RN(127 / amax) <= 127 (1 + 2^-23) rounds to at most 127) and one
+        // permutation back to input order, where a clamp and a narrowing store per 16 inputs
+        // took 3 operations
+        const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+        for (int i = 0; i < nb; i += 2) {
+          __m512i q[4];  // block i's two halves, then block i + 1's (zeros past nb)
+          for (int h = 0; h < 4; ++h) {
+            const int b = i + h / 2;
+            q[h] = b < nb ? _mm512_cvtps_epi32(_mm512_mul_ps(sgl_cpu::load16(xb + b * QK + 16 * (h % 2)),
+                                                             _mm512_set1_ps(idv[b])))
+                          : _mm512_setzero_si512();
           }
-          const __m512 f = _mm512_set1_ps(idv[i]);
-          __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(sgl_cpu::load16(xb + i * QK), f));
-          __m512i qc = _mm512_cvtps_epi32(_mm512_mul_ps(sgl_cpu::load16(xb + i * QK + 16), f));
-          qa = _mm512_max_epi32(_mm512_min_epi32(qa, lim), nlim);
-          qc = _mm512_max_epi32(_mm512_min_epi32(qc, lim), nlim);
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + i * QK), _mm512_cvtepi32_epi8(qa));
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + i * QK + 16), _mm512_cvtepi32_epi8(qc));
-          v[i] = _mm512_castsi512_ps(_mm512_add_epi32(qa, qc));
+          v[i] = _mm512_castsi512_ps(_mm512_add_epi32(q[0], q[1]));
+          v[i + 1] = _mm512_castsi512_ps(_mm512_add_epi32(q[2], q[3]));
+          const __m512i bytes = _mm512_permutexvar_epi32(
+              order, _mm512_packs_epi16(_mm512_packs_epi32(q[0], q[1]), _mm512_packs_epi32(q[2], q[3])));
+          if (i + 1 < nb) _mm512_storeu_si512(qb + i * QK, bytes);
+          else _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb + i * QK), _mm512_castsi512_si256(bytes));
         }
+        for (int i = nb + nb % 2; i < 16; ++i) v[i] = _mm512_setzero_ps();
         const __m512i sum = _mm512_castps_si512(sgl_cpu::in_slot_order(sgl_cpu::reduce16(v, add_op)));
         const __mmask16 valid = sgl_cpu::lanes(nb);
         _mm512_mask_storeu_ps(ds + m * GG + g0, valid, d);
