@@ -223,8 +223,9 @@ def test_attention_of_a_token_is_the_same_in_decode_and_in_any_extend(attention_
     """Bitwise: token p of a sequence computed in a long extend, in a short extend over the
     cached prefix, and as a decode step beside other sequences (with a bf16 pool, a decode reads
     K/V rows in place while an extend tile stages them as float32; the bf16 dot-product kernel
-    runs a decode's 3 units through softmax_step and an extend tile's through softmax_step16:
-    the same bits either way)."""
+    runs a decode's 3 units through softmax_step and an extend tile's through softmax_step16;
+    a pass with few items cuts tiles of 32 tokens, a bigger one of 64: the same bits either
+    way)."""
     k, v, table = _pool(4096, 3, 64, kv_dtype)
     q = torch.randn(1200, 9, 64).to(dtype)
     scale = 0.125
@@ -236,7 +237,9 @@ def test_attention_of_a_token_is_the_same_in_decode_and_in_any_extend(attention_
     whole = run([1], [0], [1200], q)
     chunk = run([1], [1000], [200], q[1000:])
     decode = run([0, 1, 2], [50, 1199, 900], [1, 1, 1], torch.stack([q[0], q[1199], q[5]]))
+    short = run([1], [1150], [50], q[1150:])  # 3 items: 32-token tiles
     assert torch.equal(whole[1000:], chunk)
+    assert torch.equal(whole[1150:], short)
     assert torch.equal(whole[1199], decode[1])
     # a tile's neighbours: the same tokens in tiles cut elsewhere, beside another sequence
     mixed = run([2, 1], [0, 990], [37, 210], torch.cat([q[:37], q[990:]]))

@@ -17,7 +17,8 @@ namespace sgl_cpu {
 namespace {
 
 constexpr int64_t CHUNK = 32;  // positions per online-softmax step (aligned to multiples of it)
-constexpr int64_t TILE = 32;   // query tokens of one sequence per work item
+constexpr int64_t TILE = 64;        // query tokens of one sequence per work item, at most
+constexpr int64_t SMALL_TILE = 32;  // ... or this many where TILE leaves too few items
 constexpr int MAX_GROUP = 16;  // query heads per KV head
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
