@@ -35,8 +35,8 @@ constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 //   static constexpr bool kPrescaled, kStage, kBase2;
 // kStage: bfloat16 K/V rows shared by many units may be staged as float32 (else rows are
 // always passed in place); kBase2: its scores, running max m and exponentials are in base 2
-// (scores scaled by log2(e), exp2), else base e. Each unit's arithmetic must not depend on the other units it is
-// computed with.
+// (scores scaled by log2(e), exp2), else base e. Each unit's arithmetic must not depend on
+// the other units it is computed with.
 
 inline float exp1(float x) {
   alignas(32) float buf[8] = {x, 0, 0, 0, 0, 0, 0, 0};

@@ -21,6 +21,7 @@
 #include <torch/library.h>
 
 #include "linear_inputs.h"
+#include "register_tiles.h"
 #include "vec.h"
 
 #include <cstring>
@@ -33,7 +34,7 @@ namespace {
 constexpr int64_t QK = 32;     // weights per block
 constexpr int64_t Q4_BYTES = 20;
 constexpr int64_t NT = 2;      // output features per register tile
-constexpr int64_t MAX_MT = 6;  // activation rows per register tile
+constexpr int64_t MAX_MT = MAX_TILE_ROWS;  // activation rows per register tile
 constexpr int64_t MB = 60;     // activation rows per cache block (a multiple of MAX_MT)
 
 inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
@@ -178,19 +179,8 @@ void for_tiles(int64_t N, int64_t M, int64_t K, Panel panel, Tile tile) {
 // Calls f.template operator()<NTILE, MT>() for a runtime nt (NT or 1) and mt (1..MAX_MT).
 template <typename F>
 inline void with_tile(int64_t nt, int64_t mt, F&& f) {
-  auto by_mt = [&](auto ntile) {
-    constexpr int NTI = decltype(ntile)::value;
-    switch (mt) {
-      case 1: f.template operator()<NTI, 1>(); break;
-      case 2: f.template operator()<NTI, 2>(); break;
-      case 3: f.template operator()<NTI, 3>(); break;
-      case 4: f.template operator()<NTI, 4>(); break;
-      case 5: f.template operator()<NTI, 5>(); break;
-      default: f.template operator()<NTI, 6>(); break;
-    }
-  };
-  if (nt == NT) by_mt(std::integral_constant<int, NT>{});
-  else by_mt(std::integral_constant<int, 1>{});
+  if (nt == NT) with_rows<NT>(mt, f);
+  else with_rows<1>(mt, f);
 }
 
 }  // namespace

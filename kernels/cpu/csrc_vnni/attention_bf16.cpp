@@ -12,7 +12,7 @@
 // 3.1: P in the matmul dtype, the running sum l in float32). The softmax runs in base 2, as
 // FlashAttention-2's kernels do (exp2 with log2(e) folded into the softmax scale): scores are
 // scaled by scale * log2(e) (by log2(e) after soft-capping, where there is one), m is in base
-// 2 and each exponential is exp2_512's 9 operations instead of exp512's 15; with 8+ units the
+// 2 and each exponential is exp2_512's 9 operations instead of exp512's 15; the
 // probabilities are stored as bf16 straight from the softmax. A score or output lane's
 // arithmetic is the same whatever units, tile or batch it is computed with, decode or extend.
 #include <torch/library.h>
@@ -186,7 +186,7 @@ struct Bf16Chunk {
         for (int u0 = 0; u0 < units; u0 += QU) {
           const int n = std::min(QU, units - u0);
           scores(u0, n, sc);
-          softmax_step<true>(sc, n, u0, out, valid, softcap, prs, corrs);
+          softmax_step<true, true>(sc, n, u0, out, valid, softcap, prs, corrs);  // p in bf16
         }
       } else {  // the same bits, the softmax of 16 units at a time
         __m512 sc[16][CHUNK / 16];
@@ -196,13 +196,8 @@ struct Bf16Chunk {
           softmax_step16<true, true>(sc, n, u0, out, valid, softcap, prs, corrs);  // p in bf16
         }
       }
-      for (int u = 0; u < units; ++u) {
-        float* pr = prs + u * CHUNK;
-        if (units < SOFTMAX16_UNITS) {  // p as bf16 pairs, in place over its float32 copy
-          const __m512bh b = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(pr + 16), _mm512_loadu_ps(pr));
-          _mm512_storeu_si512(pr, (__m512i)b);
-        }
-        pw[u] = reinterpret_cast<const uint32_t*>(pr);
+      for (int u = 0; u < units; ++u) {  // p as bf16 pairs
+        pw[u] = reinterpret_cast<const uint32_t*>(prs + u * CHUNK);
         accs[u] = out[u] + 2;
       }
       int u = 0;

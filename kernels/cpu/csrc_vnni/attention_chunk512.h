@@ -171,12 +171,27 @@ SGL_INLINE void cap_and_mask(__m512* sc, float softcap, const float* valid) {
   }
 }
 
+// A unit's chunk of probabilities p0 (positions 0-15), p1 (16-31) into pr: 32 float32, or
+// with BF16P 32 bfloat16 (bf16_native: only where the CPU has AVX512-BF16).
+template <bool BF16P>
+SGL_INLINE void store_p(float* pr, __m512 p0, __m512 p1) {
+  if constexpr (BF16P) {
+    __m256i* pb = reinterpret_cast<__m256i*>(pr);
+    _mm256_storeu_si256(pb, bf16_native(p0));
+    _mm256_storeu_si256(pb + 1, bf16_native(p1));
+  } else {
+    _mm512_storeu_ps(pr, p0);
+    _mm512_storeu_ps(pr + 16, p1);
+  }
+}
+
 // The online-softmax step of units u0 .. u0 + n - 1 (n <= 16) over one chunk, from their
 // scores sc[i] (positions 0-15, 16-31; scaled): soft-capping, the mask, the new running max m
 // and sum l in out[u], the probabilities exp(s - m) into prs + u * CHUNK (float32) and the
 // rescale of the old sums, exp(m_old - m_new), into corrs[u] (0 where nothing was accumulated
-// yet). The rescales of the n units are one vector exp; every lane is computed alike.
-template <bool BASE2>
+// yet). The rescales of the n units are one vector exp; every lane is computed alike. BF16P:
+// the probabilities are stored as bfloat16 (store_p).
+template <bool BASE2, bool BF16P = false>
 SGL_INLINE void softmax_step(__m512 (*sc)[CHUNK / 16], int n, int u0, float* const* out,
                              const float* const* valid, float softcap, float* prs,
                              float* corrs) {
@@ -196,8 +211,7 @@ SGL_INLINE void softmax_step(__m512 (*sc)[CHUNK / 16], int n, int u0, float* con
     const __m512 mxv = _mm512_set1_ps(mxs[i]);
     const __m512 p0 = exp_scores<BASE2>(_mm512_sub_ps(sc[i][0], mxv));  // 0 on masked lanes
     const __m512 p1 = exp_scores<BASE2>(_mm512_sub_ps(sc[i][1], mxv));
-    _mm512_storeu_ps(prs + u * CHUNK, p0);
-    _mm512_storeu_ps(prs + u * CHUNK + 16, p1);
+    store_p<BF16P>(prs + u * CHUNK, p0, p1);
     o[1] = o[1] * delta[i] + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
     o[0] = mxs[i];
     corrs[u] = delta[i];
@@ -208,8 +222,7 @@ SGL_INLINE void softmax_step(__m512 (*sc)[CHUNK / 16], int n, int u0, float* con
 // the 16 units' max(s0, s1) and p0 + p1 vectors go through reduce16's tree (vec512.h; with
 // max, then with add), whose order is _mm512_reduce_add_ps's, so every unit's m, l, p and
 // rescale are bitwise softmax_step's, without its two horizontal reductions and scalar
-// updates per unit. Lane SLOT_OF[i] holds unit i. BF16P: the probabilities go to prs +
-// u * CHUNK as 32 bfloat16 (bf16_native: only where the CPU has AVX512-BF16), not float32.
+// updates per unit. Lane SLOT_OF[i] holds unit i. BF16P as softmax_step's.
 template <bool BASE2, bool BF16P = false>
 SGL_INLINE void softmax_step16(__m512 (*sc)[CHUNK / 16], int n, int u0, float* const* out,
                                const float* const* valid, float softcap, float* prs,
@@ -235,7 +248,8 @@ SGL_INLINE void softmax_step16(__m512 (*sc)[CHUNK / 16], int n, int u0, float* c
   // std::max(m, x) is x where m < x, else m: vmaxps(x, m) (the second operand on ties)
   const __m512 mn = _mm512_max_ps(reduce16(s, [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); }), mo);
   const __mmask16 fresh = _mm512_cmp_ps_mask(mo, neg_inf, _CMP_EQ_OQ);
-  const __m512 cv = exp_scores<BASE2>(_mm512_mask_blend_ps(fresh, _mm512_sub_ps(mo, mn), neg_inf));  // exp(-inf) = 0
+  // exp(-inf) = 0 where nothing was accumulated yet
+  const __m512 cv = exp_scores<BASE2>(_mm512_mask_blend_ps(fresh, _mm512_sub_ps(mo, mn), neg_inf));
   _mm512_store_ps(m_new, mn);
   _mm512_store_ps(corr, cv);
   for (int i = 0; i < 16; ++i) {
@@ -247,14 +261,7 @@ SGL_INLINE void softmax_step16(__m512 (*sc)[CHUNK / 16], int n, int u0, float* c
     const __m512 mxv = _mm512_set1_ps(m_new[SLOT_OF[i]]);
     const __m512 p0 = exp_scores<BASE2>(_mm512_sub_ps(sc[i][0], mxv));  // 0 on masked lanes
     const __m512 p1 = exp_scores<BASE2>(_mm512_sub_ps(sc[i][1], mxv));
-    if constexpr (BF16P) {
-      __m256i* pb = reinterpret_cast<__m256i*>(prs + u * CHUNK);
-      _mm256_storeu_si256(pb, bf16_native(p0));
-      _mm256_storeu_si256(pb + 1, bf16_native(p1));
-    } else {
-      _mm512_storeu_ps(prs + u * CHUNK, p0);
-      _mm512_storeu_ps(prs + u * CHUNK + 16, p1);
-    }
+    store_p<BF16P>(prs + u * CHUNK, p0, p1);
     s[i] = _mm512_add_ps(p0, p1);
   }
   // l * rescale + sum, one rounding (softmax_step's scalar expression is contracted to an FMA)

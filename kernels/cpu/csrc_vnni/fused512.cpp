@@ -62,9 +62,8 @@ void norm_row(const T* x, const T* w, int64_t H, float eps, T* y) {
   // HF: weight * (x * rsqrt(mean(x^2) + eps)).to(dtype): the normalized value rounded to T first
   for (i = 0; i < H; i += 16) {
     const __mmask16 m = lanes(H - i);
-    sgl_cpu::store16_as<NATIVE>(
-        y + i, _mm512_mul_ps(load16(w + i, m), sgl_cpu::round_to<T, NATIVE>(_mm512_mul_ps(load16(x + i, m), inv))),
-        m);
+    const __m512 normed = sgl_cpu::round_to<T, NATIVE>(_mm512_mul_ps(load16(x + i, m), inv));
+    sgl_cpu::store16_as<NATIVE>(y + i, _mm512_mul_ps(load16(w + i, m), normed), m);
   }
 }
 

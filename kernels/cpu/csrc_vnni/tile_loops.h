@@ -7,6 +7,7 @@
 
 #include <ATen/Parallel.h>
 
+#include "../csrc/register_tiles.h"
 #include "../csrc/work_ranges.h"
 
 #include <algorithm>
@@ -16,26 +17,15 @@
 namespace sgl_cpu_vnni {
 namespace {
 
-constexpr int64_t MAX_MT = 6;  // activation rows per register tile
+constexpr int64_t MAX_MT = sgl_cpu::MAX_TILE_ROWS;  // activation rows per register tile
 constexpr int64_t MB = 66;     // activation rows per cache block (a multiple of MAX_MT)
 
 // Calls f.template operator()<NT, MT>() for runtime nt (1, 2 or 4) and mt (1..MAX_MT).
 template <typename F>
 inline void with_tile(int64_t nt, int64_t mt, F&& f) {
-  auto by_mt = [&](auto ntile) {
-    constexpr int NTI = decltype(ntile)::value;
-    switch (mt) {
-      case 1: f.template operator()<NTI, 1>(); break;
-      case 2: f.template operator()<NTI, 2>(); break;
-      case 3: f.template operator()<NTI, 3>(); break;
-      case 4: f.template operator()<NTI, 4>(); break;
-      case 5: f.template operator()<NTI, 5>(); break;
-      default: f.template operator()<NTI, 6>(); break;
-    }
-  };
-  if (nt == 4) by_mt(std::integral_constant<int, 4>{});
-  else if (nt == 2) by_mt(std::integral_constant<int, 2>{});
-  else by_mt(std::integral_constant<int, 1>{});
+  if (nt == 4) sgl_cpu::with_rows<4>(mt, f);
+  else if (nt == 2) sgl_cpu::with_rows<2>(mt, f);
+  else sgl_cpu::with_rows<1>(mt, f);
 }
 
 // Runs tile(t0, nt, m0, mt) over [0, units) x [0, M): units (feature tiles, or gate/up tile

@@ -123,10 +123,7 @@ inline void q4_tile(const uint8_t* const (&w)[NT], int64_t G, const int8_t* qx,
       for (int j = 0; j < NT / 2; ++j) {
         const __m512 v = sgl_cpu::silu_times<T, NATIVE>(sgl_cpu::round_to<T, NATIVE>(facc[2 * j][r]),
                                                         sgl_cpu::round_to<T, NATIVE>(facc[2 * j + 1][r]));
-        if constexpr (NATIVE && std::is_same_v<T, c10::BFloat16>)
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy + j * TILE), sgl_cpu::bf16_native(v));
-        else
-          store16(y + r * ldy + j * TILE, v);
+        sgl_cpu::store16_as<NATIVE>(y + r * ldy + j * TILE, v);
       }
   } else {
     for (int r = 0; r < MT; ++r)
