@@ -28,6 +28,65 @@ struct QuantizedRows {
   const float* cx;
 };
 
+// Blocks g0 .. g0 + 15 of row x (K inputs): 16 blocks a call, a lane per block for their amax
+// and integer sums, each out of one reduce16 (where a horizontal max and sum per block were two
+// latency chains; the values are the same: max and integer sums are exact in any order). All
+// indices are compile-time, so the 16 vectors stay in registers.
+template <typename T>
+inline void quantize16(const T* xb, int8_t* qb, float* d_out, int32_t* s_out, float* c_out) {
+  const auto max_op = [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); };
+  const auto add_op = [](__m512 a, __m512 b) {  // int32 lanes
+    return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
+  };
+  __m512 v[16];
+  for (int i = 0; i < 16; ++i)
+    v[i] = _mm512_max_ps(_mm512_abs_ps(sgl_cpu::load16(xb + i * QK)),
+                         _mm512_abs_ps(sgl_cpu::load16(xb + i * QK + 16)));
+  const __m512 amax = sgl_cpu::in_slot_order(sgl_cpu::reduce16(v, max_op));
+  const __m512 d = _mm512_div_ps(amax, _mm512_set1_ps(127.0f));
+  const __m512 id = _mm512_maskz_div_ps(
+      _mm512_cmp_ps_mask(amax, _mm512_setzero_ps(), _CMP_GT_OQ), _mm512_set1_ps(127.0f), amax);
+  // two blocks a step: their four int32 vectors narrowed to 64 bytes by the saturating packs
+  // (exact: |x| * RN(127 / amax) <= 127 (1 + 2^-23) rounds to at most 127) and one permutation
+  // back to input order, where a clamp and a narrowing store per 16 inputs took 3 operations
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  for (int i = 0; i < 16; i += 2) {
+    __m512i q[4];  // block i's two halves, then block i + 1's
+    for (int h = 0; h < 4; ++h) {
+      const int b = i + h / 2;
+      const __m512 ib = _mm512_permutexvar_ps(_mm512_set1_epi32(b), id);
+      q[h] = _mm512_cvtps_epi32(_mm512_mul_ps(sgl_cpu::load16(xb + b * QK + 16 * (h % 2)), ib));
+    }
+    v[i] = _mm512_castsi512_ps(_mm512_add_epi32(q[0], q[1]));
+    v[i + 1] = _mm512_castsi512_ps(_mm512_add_epi32(q[2], q[3]));
+    _mm512_storeu_si512(qb + i * QK, _mm512_permutexvar_epi32(
+        order, _mm512_packs_epi16(_mm512_packs_epi32(q[0], q[1]), _mm512_packs_epi32(q[2], q[3]))));
+  }
+  const __m512i sum = _mm512_castps_si512(sgl_cpu::in_slot_order(sgl_cpu::reduce16(v, add_op)));
+  _mm512_storeu_ps(d_out, d);
+  _mm512_storeu_si512(s_out, sum);
+  _mm512_storeu_ps(c_out, _mm512_mul_ps(d, _mm512_cvtepi32_ps(sum)));
+}
+
+// One block of row x (a row's last K / 32 % 16 blocks): quantize16's values for it, by
+// horizontal reductions (the same amax and sum: exact in any order; the same divisions and
+// products, in scalar or in a lane).
+template <typename T>
+inline void quantize1(const T* xb, int8_t* qb, float* d_out, int32_t* s_out, float* c_out) {
+  const __m512 lo = sgl_cpu::load16(xb), hi = sgl_cpu::load16(xb + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+  const float d = amax / 127.0f;
+  const __m512 id = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+  const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(lo, id));
+  const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(hi, id));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtsepi32_epi8(q0));  // |q| <= 127
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtsepi32_epi8(q1));
+  const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+  *d_out = d;
+  *s_out = sum;
+  *c_out = d * static_cast<float>(sum);
+}
+
 template <typename T>
 QuantizedRows quantize_rows(const T* x, int64_t M, int64_t K) {
   const int64_t G = K / QK;
@@ -50,57 +109,15 @@ QuantizedRows quantize_rows(const T* x, int64_t M, int64_t K) {
     float* const ds = dp;
     int32_t* const ss = sp;
     float* const cs = cp;
-    const int64_t KK = K, GG = G;
-    const auto max_op = [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); };
-    const auto add_op = [](__m512 a, __m512 b) {  // int32 lanes
-      return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
-    };
+    const int64_t KK = K, GG = G, full = G / 16 * 16;
     for (int64_t m = lo; m < hi; ++m) {
-      // 16 blocks at a time: their amax and integer sums come out of one reduce16 each, a lane
-      // per block, where a horizontal max and sum per block were two latency chains (the
-      // values are the same: max and integer sums are exact in any order)
-      for (int64_t g0 = 0; g0 < GG; g0 += 16) {
-        const int nb = static_cast<int>(std::min<int64_t>(16, GG - g0));
-        const T* xb = xs + m * KK + g0 * QK;
-        int8_t* qb = qs + m * KK + g0 * QK;
-        __m512 v[16];
-        for (int i = 0; i < 16; ++i)
-          v[i] = i < nb ? _mm512_max_ps(_mm512_abs_ps(sgl_cpu::load16(xb + i * QK)),
-                                        _mm512_abs_ps(sgl_cpu::load16(xb + i * QK + 16)))
-                        : _mm512_setzero_ps();
-        const __m512 amax = sgl_cpu::in_slot_order(sgl_cpu::reduce16(v, max_op));
-        const __m512 d = _mm512_div_ps(amax, _mm512_set1_ps(127.0f));
-        const __m512 id = _mm512_maskz_div_ps(
-            _mm512_cmp_ps_mask(amax, _mm512_setzero_ps(), _CMP_GT_OQ), _mm512_set1_ps(127.0f), amax);
-        alignas(64) float idv[16];
-        _mm512_store_ps(idv, id);
-        // two blocks a step: their four int32 vectors narrowed to 64 bytes by the saturating
-        // packs (exact: |x| * RN(127 / amax) <= 127 (1 + 2^-23) rounds to at most 127) and one
-        // permutation back to input order, where a clamp and a narrowing store per 16 inputs
-        // took 3 operations
-        const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-        for (int i = 0; i < nb; i += 2) {
-          __m512i q[4];  // block i's two halves, then block i + 1's (zeros past nb)
-          for (int h = 0; h < 4; ++h) {
-            const int b = i + h / 2;
-            q[h] = b < nb ? _mm512_cvtps_epi32(_mm512_mul_ps(sgl_cpu::load16(xb + b * QK + 16 * (h % 2)),
-                                                             _mm512_set1_ps(idv[b])))
-                          : _mm512_setzero_si512();
-          }
-          v[i] = _mm512_castsi512_ps(_mm512_add_epi32(q[0], q[1]));
-          v[i + 1] = _mm512_castsi512_ps(_mm512_add_epi32(q[2], q[3]));
-          const __m512i bytes = _mm512_permutexvar_epi32(
-              order, _mm512_packs_epi16(_mm512_packs_epi32(q[0], q[1]), _mm512_packs_epi32(q[2], q[3])));
-          if (i + 1 < nb) _mm512_storeu_si512(qb + i * QK, bytes);
-          else _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb + i * QK), _mm512_castsi512_si256(bytes));
-        }
-        for (int i = nb + nb % 2; i < 16; ++i) v[i] = _mm512_setzero_ps();
-        const __m512i sum = _mm512_castps_si512(sgl_cpu::in_slot_order(sgl_cpu::reduce16(v, add_op)));
-        const __mmask16 valid = sgl_cpu::lanes(nb);
-        _mm512_mask_storeu_ps(ds + m * GG + g0, valid, d);
-        _mm512_mask_storeu_epi32(ss + m * GG + g0, valid, sum);
-        _mm512_mask_storeu_ps(cs + m * GG + g0, valid, _mm512_mul_ps(d, _mm512_cvtepi32_ps(sum)));
-      }
+      int64_t g = 0;
+      for (; g < full; g += 16)
+        quantize16(xs + m * KK + g * QK, qs + m * KK + g * QK, ds + m * GG + g, ss + m * GG + g,
+                   cs + m * GG + g);
+      for (; g < GG; ++g)
+        quantize1(xs + m * KK + g * QK, qs + m * KK + g * QK, ds + m * GG + g, ss + m * GG + g,
+                  cs + m * GG + g);
     }
   });
   return {qp, dp, sp, cp};
