@@ -9,7 +9,6 @@
 
 #include "vec512.h"
 
-#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -28,8 +27,8 @@ struct QuantizedRows {
   const float* cx;
 };
 
-// Blocks g0 .. g0 + 15 of row x (K inputs): 16 blocks a call, a lane per block for their amax
-// and integer sums, each out of one reduce16 (where a horizontal max and sum per block were two
+// The 16 blocks of one row at xb (512 inputs) into qb and the blocks' d_out, s_out, c_out: a
+// lane per block for their amax and integer sums, each out of one reduce16 (where a horizontal max and sum per block were two
 // latency chains; the values are the same: max and integer sums are exact in any order). All
 // indices are compile-time, so the 16 vectors stay in registers.
 template <typename T>
