@@ -1,18 +1,24 @@
 """TokenKVPool: per-layer K/V buffers with a slot allocator; a page is one token.
 
 Slot 0 is reserved as a padding target (attention kernels may read it for masked positions), so
-``capacity`` usable slots are numbered 1..capacity. Buffers are allocated uninitialized (no
-page zeroing of gigabytes at startup): a slot is always written before it is read, except slot
-0, which is zeroed so masked reads never see NaN. Allocation takes arbitrary counts from a free
-list; since every page is one token there is no fragmentation to manage.
+``capacity`` usable slots are numbered 1..capacity; it is zeroed so masked reads never see NaN,
+and every other slot is written before it is read. Allocation takes arbitrary counts from a
+free list; since every page is one token there is no fragmentation to manage.
 
-The free list is last in, first out: freed slots are the next ones handed out. On a CPU the
-buffers' pages become resident when first written, so the resident KV memory follows the most
-tokens held at once, not every slot ever handed out. With a first-in-first-out list each
-rejected draft (jump-forward, n-gram) took fresh slots and a server's RSS crept towards the
-whole pool: `a{1000000}` with 200 tokens, whose 32-token drafts were verified and rejected every
-step, grew the scheduler by ~260 MB per request. Recently written slots are also the ones still
-in the CPU caches.
+On a CPU the buffers are written once when the pool is made (zeros), so all their pages are
+resident from the start: the pool is the memory the operator sized it to be (``--mem-fraction``,
+``--max-total-tokens``). Why: a prefill whose K/V went to slots never written before ran 5-15%
+slower than one into slots already written once, by an earlier pass or at start-up (2-core
+Zen 5 VM, 2026-11-27: 32 unshared 530-token prompts, in-process, five rounds into fresh slots
+4,013-4,782 prompt tokens/s, into slots written at start-up 4,727-4,976; writing each slot's
+pages just before its first pass did not help). In the peers' noshare benchmark the later
+repetitions, which reached fresh slots, ran 11% slower than the first. The writes cost ~0.2-0.9
+s a GB at start-up (the default pool, 5% of the memory: ~1.1 GB and +0.3-1.1 s here).
+
+The free list is last in, first out: freed slots are the next ones handed out, so the slots in
+use stay few and recently written ones, still in the CPU caches. (Before the pool was written
+at start-up, a first-in-first-out list also let a server's RSS creep towards the whole pool:
+each rejected jump-forward or n-gram draft took fresh slots.)
 """
 
 from __future__ import annotations
@@ -48,7 +54,8 @@ class TokenKVPool:
         self.k_buffers = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_buffers = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         for buf in (*self.k_buffers, *self.v_buffers):
-            buf[0].zero_()
+            # CPU: every page written now (see the module docstring); CUDA: slot 0 only
+            (buf if self.device.type == "cpu" else buf[0]).zero_()
         self._free = torch.arange(1, capacity + 1, dtype=torch.int64)
 
     @property
