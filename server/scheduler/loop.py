@@ -237,6 +237,11 @@ def run_scheduler_process(config: EngineConfig, to_scheduler: str, from_schedule
              engine.config.cache.max_total_tokens, mc.kv_cache_dtype,
              "batch-invariant" if engine.runner.batch_invariant else "not batch-invariant",
              f"up to {ngram} tokens" if ngram else "off")
+    # The grammar compiler (xgrammar's import, the vocabulary's masks, the compile forkserver:
+    # ~2 s of CPU) is ready before the server is: prepared behind the first requests it slowed
+    # their passes 25x (a 3-ms decode step took 70-80 ms while the forkserver imported on the
+    # other core), dropped a compute thread, and cost the peers' first noshare repetition 8%.
+    engine.prepare_grammars().join()
     send.send(P.encode(P.Ready(
         model_name=engine.model_name, vocab_size=engine.arch.vocab_size,
         context_len=engine.context_len, max_total_tokens=engine.config.cache.max_total_tokens,
@@ -248,7 +253,6 @@ def run_scheduler_process(config: EngineConfig, to_scheduler: str, from_schedule
         pooling=engine.arch.pooling.method, num_labels=spec.num_labels if spec else 0,
         loras=engine.loras.served())))
     loop = SchedulerLoop(engine, recv, send)
-    engine.prepare_grammars()
 
     def stop(*_) -> None:
         loop.stopping = True

@@ -236,13 +236,15 @@ def test_a_stream_whose_client_stops_reading_is_aborted(make_tiny_model):
     request's outputs (backpressure), keeps answering, and aborts it in the scheduler once its
     output has waited --stream-stall-timeout unread (KV freed); a client that reads again gets
     what was sent, the backlog as one chunk, then a 408 error event."""
-    path, _ = make_tiny_model("llama")
-    s = ServerProcess("--model", path, "--dtype", "float32", "--max-total-tokens", "4096",
-                      "--context-length", "512", "--stream-stall-timeout", "0.5")
+    path, _ = make_tiny_model("llama", max_position_embeddings=4096)
+    # 4,000 tokens: far more than a tiny model decodes in the 0.5 s stall timeout (500 could
+    # finish first once nothing else ran on the server's cores at start-up)
+    s = ServerProcess("--model", path, "--dtype", "float32", "--max-total-tokens", "8192",
+                      "--context-length", "4096", "--stream-stall-timeout", "0.5")
     try:
         body = {"input_ids": [5, 6, 7], "stream": True, "return_logprob": True,
                 "top_logprobs_num": 20, "return_text_in_logprobs": True,
-                "sampling_params": {"max_new_tokens": 500, "temperature": 0, "ignore_eos": True}}
+                "sampling_params": {"max_new_tokens": 4000, "temperature": 0, "ignore_eos": True}}
         small_buffer = httpx.HTTPTransport(  # the server's writes block soon after we stop
             socket_options=[(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)])
         with httpx.Client(base_url=s.url, timeout=60, transport=small_buffer) as c:
@@ -260,7 +262,7 @@ def test_a_stream_whose_client_stops_reading_is_aborted(make_tiny_model):
                     health.append(time.monotonic() - t0)
                     time.sleep(0.1)
                 assert max(health, default=0) < 1.0, health
-                assert metrics["aborts"] == 1 and metrics["generated_tokens"] < 500, metrics
+                assert metrics["aborts"] == 1 and metrics["generated_tokens"] < 4000, metrics
                 assert metrics["kv_usage"] == 0
                 events = [ln for ln in lines if ln.startswith("data: ")]
         assert events[-1] == "data: [DONE]"
@@ -268,6 +270,6 @@ def test_a_stream_whose_client_stops_reading_is_aborted(make_tiny_model):
         assert error["code"] == "408" and "read no output" in error["message"], error
         chunks = [json.loads(e[6:]) for e in events[:-2]]
         assert chunks and all(c["meta_info"]["finish_reason"] is None for c in chunks)
-        assert len(chunks[-1]["output_ids"]) < 500  # cut, not run to max_new_tokens
+        assert len(chunks[-1]["output_ids"]) < 4000  # cut, not run to max_new_tokens
     finally:
         s.stop()
