@@ -94,8 +94,10 @@ def _attend(backend, pool_k, pool_v, table, rows, prefix, extend, q):
 
 
 def kernel_rows(name: str, device: str) -> list[list[str]]:
-    """[kernel, case, bitwise-equal rows] for one attention backend (Llama-3-8B's attention
-    shape: 32 query heads, 8 KV heads, head_dim 128, bf16) and for bf16 ``F.linear``."""
+    """[kernel, case, bitwise-equal outputs] rows for one attention backend ("triton",
+    "flashinfer", else the reference) on ``device``: decode and extend attention and RMSNorm,
+    Llama-3-8B's attention shape (32 query heads, 8 KV heads, head_dim 128), bf16, K/V slots
+    shuffled over an 8,192-slot pool. (bf16 ``F.linear``: :func:`linear_rows`.)"""
     import torch
 
     torch.manual_seed(0)

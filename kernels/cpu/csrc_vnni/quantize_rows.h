@@ -28,9 +28,9 @@ struct QuantizedRows {
 };
 
 // The 16 blocks of one row at xb (512 inputs) into qb and the blocks' d_out, s_out, c_out: a
-// lane per block for their amax and integer sums, each out of one reduce16 (where a horizontal max and sum per block were two
-// latency chains; the values are the same: max and integer sums are exact in any order). All
-// indices are compile-time, so the 16 vectors stay in registers.
+// lane per block for their amax and integer sums, each out of one reduce16 (where a horizontal
+// max and sum per block were two latency chains; the values are the same: max and integer sums
+// are exact in any order). All indices are compile-time, so the 16 vectors stay in registers.
 template <typename T>
 inline void quantize16(const T* xb, int8_t* qb, float* d_out, int32_t* s_out, float* c_out) {
   const auto max_op = [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); };
