@@ -247,6 +247,29 @@ def test_attention_of_a_token_is_the_same_in_decode_and_in_any_extend(attention_
 
 
 @needs_native
+@pytest.mark.parametrize("dtype,kv_dtype", [(torch.float32, torch.float32),
+                                            (torch.bfloat16, torch.bfloat16)])
+def test_attention_gives_the_same_bits_on_any_number_of_threads(attention_op, dtype, kv_dtype):
+    """Work items go to threads by estimated cost, then to whichever thread is free (a verify
+    pass's 8 rows beside 3 decode rows is uneven enough for threads to take each other's
+    items): the bits never depend on which thread or how many computed them."""
+    k, v, table = _pool(4096, 3, 64, kv_dtype)
+    rows, prefix, ext = [0, 1, 2, 3], [600, 650, 1100, 700], [1, 1, 1, 8]
+    q = torch.randn(sum(ext), 9, 64).to(dtype)
+    args = (k, v, table, torch.tensor(rows), torch.tensor(prefix), torch.tensor(ext), 0.125, 0,
+            0.0)
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs += [attention_op(q, *args) for _ in range(3)]
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+@needs_native
 @pytest.mark.parametrize("library", ["sgl_cpu", "sgl_cpu_vnni"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norms_match_the_reference_and_are_row_invariant(library, dtype):

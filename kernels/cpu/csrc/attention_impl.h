@@ -27,6 +27,7 @@
 #include <immintrin.h>
 
 #include "attention_common.h"
+#include "attention_split.h"
 #include "vec.h"
 
 #include <algorithm>
@@ -40,7 +41,6 @@
 namespace sgl_cpu {
 namespace {
 
-constexpr int64_t PART = 512;  // positions per partition (one work item)
 constexpr int64_t AHEAD = CHUNK;  // positions between a K/V row's prefetch and its load (one chunk:
 // from DRAM, a 4,096-token decode on Zen 5 ran 12-14% faster than with 2 chunks, 8-16 positions
 // were too late and 128+ too early; extends unchanged. On Zen 4, prefetching into L2
@@ -153,42 +153,6 @@ void attend_tile(const float* const* q, const Row* rows, int nrows, int group, c
   }
 }
 
-struct Item {
-  int64_t seq, first, rows, part, head;  // tokens [first, first + rows) of sequence seq
-};
-
-// Contiguous ranges of `items`, one per thread, of about equal estimated cost: bounds[i] ..
-// bounds[i + 1]. An item's cost is the positions it spans times (TRANSPOSE_UNITS + its units),
-// the K/V staging of a chunk costing about as much as three units' scores and P.V sums. (Equal
-// item counts left one thread most of the work: a decode at 600 positions has items of 512 and
-// 88 positions, a causal prefill tiles whose spans grow along the prompt.) The split changes
-// which thread computes an item, never what it computes.
-constexpr int64_t TRANSPOSE_UNITS = 3;
-
-std::vector<int64_t> split_by_cost(const std::vector<Item>& items,
-                                   const std::vector<int64_t>& tok_pos,
-                                   const std::vector<int64_t>& tok_lo, int group) {
-  const int64_t n = static_cast<int64_t>(items.size());
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
-  std::vector<int64_t> cum(n + 1, 0);
-  for (int64_t i = 0; i < n; ++i) {
-    const Item& it = items[i];
-    const int64_t last = it.first + it.rows - 1;
-    const int64_t a = std::max(tok_lo[it.first], it.part * PART);
-    const int64_t e = std::min(tok_pos[last] + 1, (it.part + 1) * PART);
-    cum[i + 1] = cum[i] + std::max<int64_t>(e - a, 1) * (TRANSPOSE_UNITS + it.rows * group);
-  }
-  std::vector<int64_t> bounds(threads + 1, n);
-  bounds[0] = 0;
-  for (int64_t t = 1; t < threads; ++t) {  // the first item whose cost midpoint is past t/threads
-    const int64_t target = cum[n] * t / threads;
-    int64_t i = bounds[t - 1];
-    while (i < n && cum[i] + (cum[i + 1] - cum[i]) / 2 < target) ++i;
-    bounds[t] = i;
-  }
-  return bounds;
-}
-
 template <typename Chunk, typename T, typename KV>
 void run(const at::Tensor& q, const at::Tensor& kbuf, const at::Tensor& vbuf,
          const at::Tensor& req_to_token, const std::vector<int64_t>& seq_rows,
@@ -242,78 +206,73 @@ void run(const at::Tensor& q, const at::Tensor& kbuf, const at::Tensor& vbuf,
   const int64_t row_stride = Hkv * D;
   const bool l2 = prefetch_into_l2();
   T* op = out.data_ptr<T>();
-  auto work = [&](int64_t lo_i, int64_t hi_i) {  // items [lo_i, hi_i) on this thread
-    // scratch left uninitialized (every element is written before it is read): value-
-    // initialized vectors zeroed 64-190 KB per call and thread
-    std::unique_ptr<float[]> qs(new float[Chunk::kPrescaled ? TILE * MAX_GROUP * D : 1]),
-        kst(new float[CHUNK * D]), vst(new float[CHUNK * D]);
+  auto work = [&](int64_t w, ItemScratch& sc) {  // item w, on whichever thread takes it
+    float *qs = sc.qs.get(), *kst = sc.kst.get(), *vst = sc.vst.get(), *prs = sc.prs.get();
     const float* qrows[TILE * MAX_GROUP];
-    std::unique_ptr<float[]> prs(new float[TILE * MAX_GROUP * CHUNK]);
     Row rows[TILE];
-    for (int64_t w = lo_i; w < hi_i; ++w) {
-      const Item& it = items[w];
-      int nrows = 0;
-      int64_t a = std::numeric_limits<int64_t>::max(), e = 0;
-      for (int64_t r = 0; r < it.rows; ++r) {
-        const int64_t tk = it.first + r;
-        const int64_t j0 = tok_lo[tk] / PART;
-        // a row whose positions miss this partition still gets an empty partial (l = 0)
-        for (int g = 0; g < group; ++g) {
-          const T* src = qp + tk * q_stride + (it.head * group + g) * D;
-          if constexpr (Chunk::kPrescaled) {
-            float* dst = qs.get() + (nrows * group + g) * D;
-            const __m256 f = _mm256_set1_ps(scale);
-            for (int64_t d = 0; d < D; d += 8) store8(dst + d, _mm256_mul_ps(load8(src + d), f));
-            qrows[nrows * group + g] = dst;
-          } else {  // the chunk kernel reads q in place as it came (bfloat16 pairs)
-            qrows[nrows * group + g] = reinterpret_cast<const float*>(src);
-          }
+    const Item& it = items[w];
+    int nrows = 0;
+    int64_t a = std::numeric_limits<int64_t>::max(), e = 0;
+    for (int64_t r = 0; r < it.rows; ++r) {
+      const int64_t tk = it.first + r;
+      const int64_t j0 = tok_lo[tk] / PART;
+      // a row whose positions miss this partition still gets an empty partial (l = 0)
+      for (int g = 0; g < group; ++g) {
+        const T* src = qp + tk * q_stride + (it.head * group + g) * D;
+        if constexpr (Chunk::kPrescaled) {
+          float* dst = qs + (nrows * group + g) * D;
+          const __m256 f = _mm256_set1_ps(scale);
+          for (int64_t d = 0; d < D; d += 8) store8(dst + d, _mm256_mul_ps(load8(src + d), f));
+          qrows[nrows * group + g] = dst;
+        } else {  // the chunk kernel reads q in place as it came (bfloat16 pairs)
+          qrows[nrows * group + g] = reinterpret_cast<const float*>(src);
         }
-        rows[nrows].token = tk;
-        rows[nrows].lo = std::max(tok_lo[tk], it.part * PART);
-        rows[nrows].pos = std::min(tok_pos[tk], (it.part + 1) * PART - 1);
-        if (it.part < j0 || it.part > tok_pos[tk] / PART) {
-          rows[nrows].pos = rows[nrows].lo - 1;  // nothing to attend to here
-          rows[nrows].out = nullptr;
-        } else {
-          rows[nrows].out = partials.get() + (part_off[tk] + it.part - j0) * pstride +
-                            it.head * group * (D + 2);
-        }
-        if (rows[nrows].out == nullptr) continue;
-        a = std::min(a, rows[nrows].lo);
-        e = std::max(e, rows[nrows].pos + 1);
-        ++nrows;
       }
-      if (nrows == 0) continue;
-      auto call = [&](auto nv) {
-        attend_tile<Chunk, decltype(nv)::value, KV>(qrows, rows, nrows, group, kp + it.head * D,
-                                             vp + it.head * D, row_stride,
-                                             table + seq_rows[it.seq] * L, a, e, scale, softcap,
-                                             kst.get(), vst.get(), prs.get(), l2);
-      };
-      switch (D / 8) {  // head_dim 8 .. 256 in steps of 8
+      rows[nrows].token = tk;
+      rows[nrows].lo = std::max(tok_lo[tk], it.part * PART);
+      rows[nrows].pos = std::min(tok_pos[tk], (it.part + 1) * PART - 1);
+      if (it.part < j0 || it.part > tok_pos[tk] / PART) {
+        rows[nrows].pos = rows[nrows].lo - 1;  // nothing to attend to here
+        rows[nrows].out = nullptr;
+      } else {
+        rows[nrows].out = partials.get() + (part_off[tk] + it.part - j0) * pstride +
+                          it.head * group * (D + 2);
+      }
+      if (rows[nrows].out == nullptr) continue;
+      a = std::min(a, rows[nrows].lo);
+      e = std::max(e, rows[nrows].pos + 1);
+      ++nrows;
+    }
+    if (nrows == 0) return;
+    auto call = [&](auto nv) {
+      attend_tile<Chunk, decltype(nv)::value, KV>(qrows, rows, nrows, group, kp + it.head * D,
+                                           vp + it.head * D, row_stride,
+                                           table + seq_rows[it.seq] * L, a, e, scale, softcap,
+                                           kst, vst, prs, l2);
+    };
+    switch (D / 8) {  // head_dim 8 .. 256 in steps of 8
 #define SGL_NV(n) case n: call(std::integral_constant<int, n>{}); break;
-        SGL_NV(1) SGL_NV(2) SGL_NV(3) SGL_NV(4) SGL_NV(5) SGL_NV(6) SGL_NV(7) SGL_NV(8)
-        SGL_NV(9) SGL_NV(10) SGL_NV(11) SGL_NV(12) SGL_NV(13) SGL_NV(14) SGL_NV(15) SGL_NV(16)
-        SGL_NV(17) SGL_NV(18) SGL_NV(19) SGL_NV(20) SGL_NV(21) SGL_NV(22) SGL_NV(23) SGL_NV(24)
-        SGL_NV(25) SGL_NV(26) SGL_NV(27) SGL_NV(28) SGL_NV(29) SGL_NV(30) SGL_NV(31) SGL_NV(32)
+      SGL_NV(1) SGL_NV(2) SGL_NV(3) SGL_NV(4) SGL_NV(5) SGL_NV(6) SGL_NV(7) SGL_NV(8)
+      SGL_NV(9) SGL_NV(10) SGL_NV(11) SGL_NV(12) SGL_NV(13) SGL_NV(14) SGL_NV(15) SGL_NV(16)
+      SGL_NV(17) SGL_NV(18) SGL_NV(19) SGL_NV(20) SGL_NV(21) SGL_NV(22) SGL_NV(23) SGL_NV(24)
+      SGL_NV(25) SGL_NV(26) SGL_NV(27) SGL_NV(28) SGL_NV(29) SGL_NV(30) SGL_NV(31) SGL_NV(32)
 #undef SGL_NV
-      }
-      // a token whose positions all lie in this partition: its output now, from the partial
-      // still in this core's cache (the merge below skips it)
-      for (int r = 0; r < nrows; ++r) {
-        const int64_t tk = rows[r].token;
-        if (part_off[tk + 1] - part_off[tk] != 1) continue;
-        for (int g = 0; g < group; ++g)
-          write_single_partial(rows[r].out + g * (D + 2),
-                               op + (tk * Hq + it.head * group + g) * D, D);
-      }
+    }
+    // a token whose positions all lie in this partition: its output now, from the partial
+    // still in this core's cache (the merge below skips it)
+    for (int r = 0; r < nrows; ++r) {
+      const int64_t tk = rows[r].token;
+      if (part_off[tk + 1] - part_off[tk] != 1) continue;
+      for (int g = 0; g < group; ++g)
+        write_single_partial(rows[r].out + g * (D + 2),
+                             op + (tk * Hq + it.head * group + g) * D, D);
     }
   };
+  // each thread's range of about equal estimated cost, then the others' rest (run_items): a
+  // 4-sequence decode step with one sequence verifying 4-7 drafts took 29-34% longer with
+  // fixed ranges (30 layers at 600 positions: the verify tile's cost is overestimated)
   const std::vector<int64_t> bounds = split_by_cost(items, tok_pos, tok_lo, group);
-  at::parallel_for(0, static_cast<int64_t>(bounds.size()) - 1, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t t = lo; t < hi; ++t) work(bounds[t], bounds[t + 1]);
-  });
+  run_items(bounds, D, work);
   // merge each token's partitions in order (m in base 2 for a kBase2 kernel: 2^x = e^(x ln 2))
   const float unit = Chunk::kBase2 ? 0.693147180559945309f : 1.0f;
   at::parallel_for(0, ntok * Hq, 16, [&](int64_t lo_i, int64_t hi_i) {

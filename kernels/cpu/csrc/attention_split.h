@@ -1,0 +1,96 @@
+// How the attention driver (attention_impl.h) spreads its work items over threads: items of
+// (query tile, partition, KV head) in contiguous ranges of about equal estimated cost, one per
+// thread, taken with stealing at the ends, and each thread's scratch for an item. Which
+// thread computes an item never changes its bits.
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include "attention_common.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+namespace sgl_cpu {
+namespace {
+
+constexpr int64_t PART = 512;  // positions per partition (one work item)
+
+struct Item {
+  int64_t seq, first, rows, part, head;  // tokens [first, first + rows) of sequence seq
+};
+
+// Contiguous ranges of `items`, one per thread, of about equal estimated cost: bounds[i] ..
+// bounds[i + 1]. An item's cost is the positions it spans times (TRANSPOSE_UNITS + its units),
+// the K/V staging of a chunk costing about as much as three units' scores and P.V sums. (Equal
+// item counts left one thread most of the work: a decode at 600 positions has items of 512 and
+// 88 positions, a causal prefill tiles whose spans grow along the prompt.) The split changes
+// which thread computes an item, never what it computes.
+constexpr int64_t TRANSPOSE_UNITS = 3;
+
+std::vector<int64_t> split_by_cost(const std::vector<Item>& items,
+                                   const std::vector<int64_t>& tok_pos,
+                                   const std::vector<int64_t>& tok_lo, int group) {
+  const int64_t n = static_cast<int64_t>(items.size());
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  std::vector<int64_t> cum(n + 1, 0);
+  for (int64_t i = 0; i < n; ++i) {
+    const Item& it = items[i];
+    const int64_t last = it.first + it.rows - 1;
+    const int64_t a = std::max(tok_lo[it.first], it.part * PART);
+    const int64_t e = std::min(tok_pos[last] + 1, (it.part + 1) * PART);
+    cum[i + 1] = cum[i] + std::max<int64_t>(e - a, 1) * (TRANSPOSE_UNITS + it.rows * group);
+  }
+  std::vector<int64_t> bounds(threads + 1, n);
+  bounds[0] = 0;
+  for (int64_t t = 1; t < threads; ++t) {  // the first item whose cost midpoint is past t/threads
+    const int64_t target = cum[n] * t / threads;
+    int64_t i = bounds[t - 1];
+    while (i < n && cum[i] + (cum[i + 1] - cum[i]) / 2 < target) ++i;
+    bounds[t] = i;
+  }
+  return bounds;
+}
+
+// One thread's scratch for work items of head_dim D: the prescaled queries, a chunk's staged
+// K and V rows and the chunk kernel's probabilities. Left uninitialized (every element is
+// written before it is read: value-initialized buffers zeroed 64-190 KB per call and thread).
+struct ItemScratch {
+  std::unique_ptr<float[]> qs, kst, vst, prs;
+  explicit ItemScratch(int64_t D)
+      : qs(new float[TILE * MAX_GROUP * D]), kst(new float[CHUNK * D]),
+        vst(new float[CHUNK * D]), prs(new float[TILE * MAX_GROUP * CHUNK]) {}
+};
+
+// Calls work(item, scratch) once for every item: thread r takes the items of its range
+// bounds[r] .. bounds[r + 1] in order from a shared counter, then the next items left in the
+// other ranges (as run_ranges in work_ranges.h, to the last item: an item's K/V comes from
+// DRAM either way). Cost estimates miss by up to 2x (split_by_cost), and which thread runs an
+// item never changes its bits.
+template <typename Work>
+void run_items(const std::vector<int64_t>& bounds, int64_t D, Work&& work) {
+  struct alignas(64) Next {  // one cache line per range's counter
+    std::atomic<int64_t> i{0};
+  };
+  const int64_t n = static_cast<int64_t>(bounds.size()) - 1;
+  std::vector<Next> next(n);
+  at::parallel_for(0, n, 1, [&](int64_t lo, int64_t hi) {
+    ItemScratch scratch(D);
+    auto drain = [&](int64_t r) {
+      const int64_t items = bounds[r + 1] - bounds[r];
+      while (next[r].i.load(std::memory_order_relaxed) < items) {
+        const int64_t i = next[r].i.fetch_add(1, std::memory_order_relaxed);
+        if (i >= items) break;
+        work(bounds[r] + i, scratch);
+      }
+    };
+    for (int64_t r = lo; r < hi; ++r) drain(r);  // its own range first
+    for (int64_t k = 1; k < n; ++k) drain((lo + k) % n);  // then the others' rest
+  });
+}
+
+}  // namespace
+}  // namespace sgl_cpu
