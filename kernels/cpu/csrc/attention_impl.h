@@ -272,7 +272,7 @@ void run(const at::Tensor& q, const at::Tensor& kbuf, const at::Tensor& vbuf,
   // 4-sequence decode step with one sequence verifying 4-7 drafts took 29-34% longer with
   // fixed ranges (30 layers at 600 positions: the verify tile's cost is overestimated)
   const std::vector<int64_t> bounds = split_by_cost(items, tok_pos, tok_lo, group);
-  run_items(bounds, D, work);
+  run_items(bounds, D, Chunk::kPrescaled, work);
   // merge each token's partitions in order (m in base 2 for a kBase2 kernel: 2^x = e^(x ln 2))
   const float unit = Chunk::kBase2 ? 0.693147180559945309f : 1.0f;
   at::parallel_for(0, ntok * Hq, 16, [&](int64_t lo_i, int64_t hi_i) {

@@ -55,13 +55,14 @@ std::vector<int64_t> split_by_cost(const std::vector<Item>& items,
   return bounds;
 }
 
-// One thread's scratch for work items of head_dim D: the prescaled queries, a chunk's staged
-// K and V rows and the chunk kernel's probabilities. Left uninitialized (every element is
-// written before it is read: value-initialized buffers zeroed 64-190 KB per call and thread).
+// One thread's scratch for work items of head_dim D: the prescaled queries (a chunk kernel
+// that reads q in place needs none), a chunk's staged K and V rows and the chunk kernel's
+// probabilities. Left uninitialized (every element is written before it is read:
+// value-initialized buffers zeroed 64-190 KB per call and thread).
 struct ItemScratch {
   std::unique_ptr<float[]> qs, kst, vst, prs;
-  explicit ItemScratch(int64_t D)
-      : qs(new float[TILE * MAX_GROUP * D]), kst(new float[CHUNK * D]),
+  ItemScratch(int64_t D, bool prescaled)
+      : qs(new float[prescaled ? TILE * MAX_GROUP * D : 1]), kst(new float[CHUNK * D]),
         vst(new float[CHUNK * D]), prs(new float[TILE * MAX_GROUP * CHUNK]) {}
 };
 
@@ -71,14 +72,14 @@ struct ItemScratch {
 // DRAM either way). Cost estimates miss by up to 2x (split_by_cost), and which thread runs an
 // item never changes its bits.
 template <typename Work>
-void run_items(const std::vector<int64_t>& bounds, int64_t D, Work&& work) {
+void run_items(const std::vector<int64_t>& bounds, int64_t D, bool prescaled, Work&& work) {
   struct alignas(64) Next {  // one cache line per range's counter
     std::atomic<int64_t> i{0};
   };
   const int64_t n = static_cast<int64_t>(bounds.size()) - 1;
   std::vector<Next> next(n);
   at::parallel_for(0, n, 1, [&](int64_t lo, int64_t hi) {
-    ItemScratch scratch(D);
+    ItemScratch scratch(D, prescaled);
     auto drain = [&](int64_t r) {
       const int64_t items = bounds[r + 1] - bounds[r];
       while (next[r].i.load(std::memory_order_relaxed) < items) {
