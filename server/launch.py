@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import multiprocessing as mp
 import os
@@ -29,11 +30,28 @@ import zmq.asyncio
 from server import protocol as P
 from server.config import EngineConfig
 from server.front_config import HTTPConfig
+from server.model.cpu_malloc import malloc_env
 from server.model.cpu_threads import openmp_env
 from server.reasoning import ReasoningParserError
 from server.scheduler.entry import run_scheduler
 
 log = logging.getLogger("server.launch")
+
+
+@contextlib.contextmanager
+def _environ(extra: dict[str, str]):
+    """``os.environ`` with ``extra`` set for the block (a child started inside inherits it),
+    then as it was."""
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 class SchedulerDiedError(RuntimeError):
@@ -105,7 +123,11 @@ async def serve(engine_config: EngineConfig, http: HTTPConfig) -> int:
     proc = mp.get_context("spawn").Process(
         target=run_scheduler, args=(engine_config, to_sched, from_sched, http.log_level),
         name="sgl-scheduler")  # not a daemon: it may start tensor-parallel ranks
-    proc.start()
+    preload = malloc_env(engine_config.model.cpu_malloc, engine_config.model.device)
+    if preload:
+        log.info("scheduler process allocator: %s", preload["LD_PRELOAD"].split()[0])
+    with _environ(preload):
+        proc.start()  # the child (and its own children) start with tcmalloc preloaded
     # The HTTP stack (FastAPI, pydantic schemas, the tokenizer: ~0.9 s) is imported while the
     # child loads the model, not before the child starts.
     from server.http.app import create_app

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from server.model.cpu_malloc import MALLOC_MODES
 from server.options import ConfigError, option
 
 # No torch (or kernels, or the model stack) at import: the HTTP process and ``python -m server
@@ -65,6 +66,10 @@ class ModelConfig:
             (:mod:`server.model.cpu_threads`); N: always N. Not with tensor parallelism (each
             rank takes its share of the cores) or torch_compile (inductor's loops keep the
             count they were compiled with).
+        cpu_malloc: the server's scheduler process's allocator: "auto" (tcmalloc where the OS
+            has it and the device is the CPU), "tcmalloc" (required) or "system"
+            (:mod:`server.model.cpu_malloc`). The offline Engine runs in its caller's process
+            and ignores it.
         torch_compile: run the decoder stack through torch.compile on CPU
             (:mod:`server.model.compiled`; compiled graphs are cached on disk).
         disable_cuda_graph: on CUDA, run decode steps eagerly instead of replaying CUDA graphs
@@ -115,6 +120,11 @@ class ModelConfig:
         0, "--cpu-threads", "intra-op threads of a CPU forward pass: 0 = every core this "
         "process may use, one fewer while other processes preempt its passes (default; "
         "server/model/cpu_threads.py), N = always N", type=int)
+    cpu_malloc: str = option(
+        "auto", "--cpu-malloc", "the scheduler process's memory allocator (server only): auto "
+        "(tcmalloc where the OS has libtcmalloc_minimal and the device is the CPU; default), "
+        "tcmalloc (required), system (the C library's); server/model/cpu_malloc.py",
+        choices=MALLOC_MODES)
     torch_compile: bool = option(
         False, "--enable-torch-compile", "compile the decoder stack with torch.compile on CPU "
         "(first start compiles for ~1-2 min; later starts load the cached graphs from "
@@ -154,6 +164,8 @@ class ModelConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got "
                               f"{self.attention_backend!r}")
+        if self.cpu_malloc not in MALLOC_MODES:
+            raise ConfigError(f"cpu_malloc must be one of {MALLOC_MODES}, got {self.cpu_malloc!r}")
         if self.cpu_threads < 0:
             raise ConfigError(f"cpu_threads must be >= 0, got {self.cpu_threads}")
         if self.context_length is not None and self.context_length < 2:
