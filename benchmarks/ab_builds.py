@@ -57,15 +57,14 @@ def worker(workloads: str, chunked_prefill_size: int, workload: str) -> None:
 def json_worker(jump_forward: bool) -> None:
     """:func:`worker` for the constrained JSON workload: output tokens/s per round."""
     from benchmarks.common import run_in_flight
-    from benchmarks.json_decode import SCHEMA, city_prompts
+    from benchmarks.json_decode import city_prompts, json_params
     from server.engine import Engine
-    from server.model.sampling import SamplingParams
 
     engine = Engine(None, max_total_tokens=65536, speculative_ngram=0,
                     disable_jump_forward=not jump_forward)
     prompts = city_prompts(engine, 512)
     engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 0})  # cache the pages
-    params = SamplingParams(max_new_tokens=160, temperature=0, json_schema=SCHEMA)
+    params = json_params()
     run_in_flight(engine, prompts, params, 4)  # warm-up: the grammar's compile
     print("ready", flush=True)
     for _ in sys.stdin:

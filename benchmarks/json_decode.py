@@ -58,10 +58,15 @@ def city_prompts(engine: Engine, doc_tokens: int) -> list[list[int]]:
     return prompts
 
 
+def json_params() -> SamplingParams:
+    """Each program's request: greedy, at most 160 tokens, constrained to SCHEMA."""
+    return SamplingParams(max_new_tokens=160, temperature=0, json_schema=SCHEMA)
+
+
 def run(engine: Engine, prompts, in_flight: int):
     engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 0})  # cache the docs
     before = engine.metrics()
-    params = SamplingParams(max_new_tokens=160, temperature=0, json_schema=SCHEMA)
+    params = json_params()
     reqs, elapsed = run_in_flight(engine, prompts, params, in_flight)
     after = engine.metrics()
     out_tokens = after["generated_tokens"] - before["generated_tokens"]

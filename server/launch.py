@@ -119,15 +119,15 @@ async def serve(engine_config: EngineConfig, http: HTTPConfig) -> int:
     send, recv = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
     send.bind(to_sched)
     recv.bind(from_sched)
-    os.environ.update(openmp_env())  # inherited by the child: its OpenMP threads' wait
     proc = mp.get_context("spawn").Process(
         target=run_scheduler, args=(engine_config, to_sched, from_sched, http.log_level),
         name="sgl-scheduler")  # not a daemon: it may start tensor-parallel ranks
     preload = malloc_env(engine_config.model.cpu_malloc, engine_config.model.device)
     if preload:
         log.info("scheduler process allocator: %s", preload["LD_PRELOAD"].split()[0])
-    with _environ(preload):
-        proc.start()  # the child (and its own children) start with tcmalloc preloaded
+    # the child (and its own children) inherit its OpenMP threads' wait and its allocator
+    with _environ({**openmp_env(), **preload}):
+        proc.start()
     # The HTTP stack (FastAPI, pydantic schemas, the tokenizer: ~0.9 s) is imported while the
     # child loads the model, not before the child starts.
     from server.http.app import create_app

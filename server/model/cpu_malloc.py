@@ -44,12 +44,10 @@ def malloc_env(mode: str, device: str, environ: dict[str, str] | None = None,
     """Environment additions for the scheduler process under ``--cpu-malloc mode``:
     ``{"LD_PRELOAD": ...}`` with tcmalloc first where it is used, else {}.
 
+    ``mode`` is one of MALLOC_MODES (:class:`server.model_config.ModelConfig` checks it).
     "auto": tcmalloc when found and ``device`` is "cpu", or "auto" without an NVIDIA driver;
     "tcmalloc": the same but required (ConfigError when not found), on any device; "system":
-    never. A user's own LD_PRELOAD is kept, after tcmalloc (already listing it: unchanged).
-    Raises ConfigError for an unknown mode."""
-    if mode not in MALLOC_MODES:
-        raise ConfigError(f"cpu_malloc must be one of {MALLOC_MODES}, got {mode!r}")
+    never. A user's own LD_PRELOAD is kept, after tcmalloc (already listing it: unchanged)."""
     if mode == "system":
         return {}
     if mode == "auto" and (device not in ("cpu", "auto") or (device == "auto" and gpu())):

@@ -1,15 +1,15 @@
 // How the attention driver (attention_impl.h) spreads its work items over threads: items of
 // (query tile, partition, KV head) in contiguous ranges of about equal estimated cost, one per
-// thread, taken with stealing at the ends, and each thread's scratch for an item. Which
+// thread, taken with stealing at the ends (work_ranges.h), and each thread's scratch. Which
 // thread computes an item never changes its bits.
 #pragma once
 
 #include <ATen/Parallel.h>
 
 #include "attention_common.h"
+#include "work_ranges.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <vector>
@@ -67,30 +67,15 @@ struct ItemScratch {
 };
 
 // Calls work(item, scratch) once for every item: thread r takes the items of its range
-// bounds[r] .. bounds[r + 1] in order from a shared counter, then the next items left in the
-// other ranges (as run_ranges in work_ranges.h, to the last item: an item's K/V comes from
-// DRAM either way). Cost estimates miss by up to 2x (split_by_cost), and which thread runs an
-// item never changes its bits.
+// bounds[r] .. bounds[r + 1], then the next items left in the others' ranges, to the last one
+// (run_ranges_with, work_ranges.h: an item's K/V comes from DRAM either way). Cost estimates
+// miss by up to 2x (split_by_cost), and which thread runs an item never changes its bits.
 template <typename Work>
 void run_items(const std::vector<int64_t>& bounds, int64_t D, bool prescaled, Work&& work) {
-  struct alignas(64) Next {  // one cache line per range's counter
-    std::atomic<int64_t> i{0};
-  };
-  const int64_t n = static_cast<int64_t>(bounds.size()) - 1;
-  std::vector<Next> next(n);
-  at::parallel_for(0, n, 1, [&](int64_t lo, int64_t hi) {
-    ItemScratch scratch(D, prescaled);
-    auto drain = [&](int64_t r) {
-      const int64_t items = bounds[r + 1] - bounds[r];
-      while (next[r].i.load(std::memory_order_relaxed) < items) {
-        const int64_t i = next[r].i.fetch_add(1, std::memory_order_relaxed);
-        if (i >= items) break;
-        work(bounds[r] + i, scratch);
-      }
-    };
-    for (int64_t r = lo; r < hi; ++r) drain(r);  // its own range first
-    for (int64_t k = 1; k < n; ++k) drain((lo + k) % n);  // then the others' rest
-  });
+  run_ranges_with(static_cast<int64_t>(bounds.size()) - 1,
+                  [&](int64_t r) { return bounds[r + 1] - bounds[r]; }, 0,
+                  [&] { return ItemScratch(D, prescaled); },
+                  [&](ItemScratch& scratch, int64_t r, int64_t i) { work(bounds[r] + i, scratch); });
 }
 
 }  // namespace

@@ -23,9 +23,10 @@ namespace sgl_cpu {
 namespace {
 
 // count(r): the items of range r; no allocation for up to 16 threads (a decode step makes
-// ~120 calls of a few microseconds).
-template <typename Count, typename Item>
-void run_ranges(int64_t n, Count&& count, int64_t steal_above, Item&& item) {
+// ~120 calls of a few microseconds). With a thread state: each thread makes its own once with
+// init() (scratch buffers, say) and item(state, r, i) gets it.
+template <typename Count, typename Init, typename Item>
+void run_ranges_with(int64_t n, Count&& count, int64_t steal_above, Init&& init, Item&& item) {
   struct alignas(64) Next {  // one cache line per range's counter
     std::atomic<int64_t> i{0};
   };
@@ -33,18 +34,25 @@ void run_ranges(int64_t n, Count&& count, int64_t steal_above, Item&& item) {
   Next small[SMALL];
   std::vector<Next> large(n > SMALL ? n : 0);
   Next* next = n > SMALL ? large.data() : small;
-  auto drain = [&](int64_t r, int64_t keep) {
-    const int64_t items = count(r);
-    while (next[r].i.load(std::memory_order_relaxed) < items - keep) {
-      const int64_t i = next[r].i.fetch_add(1, std::memory_order_relaxed);
-      if (i >= items) break;
-      item(r, i);
-    }
-  };
   at::parallel_for(0, n, 1, [&](int64_t lo, int64_t hi) {
+    auto state = init();
+    auto drain = [&](int64_t r, int64_t keep) {
+      const int64_t items = count(r);
+      while (next[r].i.load(std::memory_order_relaxed) < items - keep) {
+        const int64_t i = next[r].i.fetch_add(1, std::memory_order_relaxed);
+        if (i >= items) break;
+        item(state, r, i);
+      }
+    };
     for (int64_t r = lo; r < hi; ++r) drain(r, 0);  // its own range first
     for (int64_t k = 1; k < n; ++k) drain((lo + k) % n, steal_above);  // then the others' rest
   });
+}
+
+template <typename Count, typename Item>
+void run_ranges(int64_t n, Count&& count, int64_t steal_above, Item&& item) {
+  run_ranges_with(n, count, steal_above, [] { return 0; },
+                  [&](int, int64_t r, int64_t i) { item(r, i); });
 }
 
 }  // namespace
