@@ -38,7 +38,7 @@ import time
 from typing import Any, Sequence
 
 from server.constrained.compile_worker import CompileProcess
-from server.constrained.matcher import Matcher
+from server.constrained.matcher import Matcher, PackedMask
 from server.constrained.spec import GrammarError, GrammarSpec
 
 COMPILE_TIMEOUT_S = 10.0
@@ -98,6 +98,7 @@ class GrammarCompiler:
         self.compile_seconds = 0.0
         self._json_safe = None
         self._utf8 = None
+        self._packed: dict[bool, tuple[PackedMask, PackedMask]] = {}  # json_schema or not
 
     def compile_async(self, spec: GrammarSpec) -> concurrent.futures.Future:
         """A future of the compiled grammar for ``spec``, never blocking: done at once on a
@@ -238,9 +239,12 @@ class GrammarCompiler:
         the automaton accepts."""
         compiled = self.compile(spec)
         m = self._xgr.GrammarMatcher(compiled, override_stop_tokens=list(stop_token_ids))
-        no_surrogate, after_ed = self.utf8_masks()
-        extra = no_surrogate & self.json_safe_mask() if spec.kind == "json_schema" \
-            else no_surrogate
+        is_json = spec.kind == "json_schema"
+        if is_json not in self._packed:  # packed once per kind, shared by every matcher
+            no_surrogate, after_ed = self.utf8_masks()
+            self._packed[is_json] = (PackedMask(no_surrogate & self.json_safe_mask() if is_json
+                                                else no_surrogate), PackedMask(after_ed))
+        extra, after_ed = self._packed[is_json]
         return Matcher(m, self._xgr, self.vocab_size, extra, self._token_bytes, after_ed)
 
 

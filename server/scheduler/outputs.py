@@ -112,7 +112,7 @@ def sample_and_append(sampler: Sampler, items: Sequence[tuple[Req, int]], logits
     fast = [i for i, r in enumerate(reqs) if r.grammar is not None and logits.device.type == "cpu"
             and not r.logprobs.return_logprob and argmax_decides(r.sampling)]
     if fast:
-        best = argmax_rows(take_rows(logits, [items[i][1] for i in fast])).tolist()
+        best = argmax_rows(logits, [items[i][1] for i in fast]).tolist()
         for i, t in zip(fast, best):
             t = best_allowed(logits[items[i][1]], reqs[i].grammar, t)
             if t is not None:

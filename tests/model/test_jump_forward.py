@@ -222,6 +222,23 @@ def test_forced_tokenizer_learns_where_the_model_splits_a_token(default_tokenize
     assert ft.encode(text) == canonical
 
 
+def test_forced_tokenizer_gives_the_wrappers_ids_and_text(default_tokenizer):
+    """The drafts' tokenizer calls the fast tokenizer's backend directly: the same ids as the
+    HF wrapper's ``encode`` and the same text as its ``decode`` (JSON punctuation, spaces
+    before punctuation that a clean-up pass would change, multi-byte and special tokens)."""
+    from server.constrained.jump_forward import ForcedTokenizer
+
+    tok = default_tokenizer
+    ft = ForcedTokenizer(tok)
+    assert ft._backend is not None  # the path under test
+    for text in ['", "country": "', '{"name": "', ' ["', '"], "n": ', "it 's a , b .",
+                 "Zürich – 東京", "\n\t  x"]:
+        assert ft.encode(text) == tok.encode(text, add_special_tokens=False)
+    ids = tok.encode("Hello , world ! Zürich", add_special_tokens=False) + [tok.eos_token_id]
+    for cut in range(1, len(ids) + 1):
+        assert ft.decode(ids[:cut]) == tok.decode(ids[:cut], skip_special_tokens=False)
+
+
 def test_the_forced_opening_is_verified_in_the_prompts_pass(engines, monkeypatch):
     """A JSON schema forces the output's opening (``{"name": "``): it is drafted after the
     prompt's last token and verified by the prompt's own pass, so that pass already produces

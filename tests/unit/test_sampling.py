@@ -299,3 +299,21 @@ def test_a_refused_greedy_row_takes_its_masked_argmax_from_its_top_few():
         st = SamplingState(SamplingParams(temperature=0.0), [], [], None, grammar=grammar)
         assert Sampler().sample(row[None], [st]).next_ids == [want]
     assert told > 100  # the top few decide many rows
+
+
+@pytest.mark.parametrize("rows", [None, [0, 1, 2], [0, 1, 2, 3, 4], [3, 1], [4], [2, 2, 0]])
+def test_argmax_rows_equals_torchs_argmax_of_the_rows_taken(rows):
+    """argmax_rows reads the rows it is given in place (NumPy on the CPU): the same ids as
+    indexing them and taking torch's argmax, first index on ties, a NaN counted as the
+    maximum, in the order given."""
+    from server.model.sampling import argmax_rows
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 1000, generator=g)
+    logits[1, 7] = logits[1, 900] = 50.0  # a tie: the first index wins
+    logits[3, 500] = math.nan
+    want = (logits if rows is None else logits[torch.tensor(rows)]).argmax(-1)
+    got = argmax_rows(logits, rows)
+    assert got.dtype == torch.int64 and got.tolist() == want.tolist()
+    view = logits[1:]  # a view that does not start at the buffer's first row
+    assert argmax_rows(view, [2, 0]).tolist() == view[torch.tensor([2, 0])].argmax(-1).tolist()
