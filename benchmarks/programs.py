@@ -12,7 +12,10 @@ Rows (the same questions, retrieval and prompts in each):
   ``dspy.LM("openai/<model>")`` (DSPy's own route: ChatAdapter text, parsed by DSPy) on ours
   and on each peer;
 * ``langchain`` / ``ChatSGLang.with_structured_output`` / ours, then ``langchain_openai.ChatOpenAI
-  .with_structured_output(method="json_schema")`` on ours and on each peer.
+  .with_structured_output(method="json_schema")`` on ours and on each peer;
+* ``dspy-floor`` / ``SGLangLM(max_tokens=1)`` / ours: the DSPy program with every field cut to
+  one token, what any adapter must still do (prefill the prompts DSPy formats): the ceiling
+  on the DSPy row's q/s from the adapter side alone (its answers are not answers).
 Each row first runs ``--warmup`` questions untimed (compiling its schemas on the server), then
 starts on an empty prefix cache where the server can be told to empty it (our
 ``/flush_cache``, vLLM's ``/reset_prefix_cache``): the rows ask the same questions over the
@@ -51,12 +54,23 @@ def stock_chat_openai(base_url: str, model: str | None = None, max_tokens: int =
                       max_tokens=max_tokens, max_retries=0)
 
 
+def one_token_sglang_lm(base_url: str):
+    """The DSPy adapter with every lowered field cut to one token (the ``dspy-floor`` row)."""
+    from sgl_adapters.dspy import SGLangLM
+
+    return SGLangLM(base_url=base_url, temperature=0.0, max_tokens=1, cache=False)
+
+
 def runs(programs: list[str], ours: str, peers: dict[str, str]) -> list[tuple]:
     """(program, client, server name, server URL, evaluate() kwargs) for every row."""
     rows = []
     for program in programs:
         if program == "sgl":
             rows.append(("sgl", "sgl language", "ours", ours, {}))
+            continue
+        if program == "dspy-floor":
+            rows.append((program, "SGLangLM(max_tokens=1)", "ours", ours,
+                         {"lm": lambda: one_token_sglang_lm(ours)}))
             continue
         adapter = "SGLangLM" if program == "dspy" else "ChatSGLang"
         rows.append((program, adapter, "ours", ours, {}))
@@ -101,7 +115,8 @@ def main(argv: list[str] | None = None) -> None:
                     "on the default model)")
     ap.add_argument("--peer", action="append", default=[], metavar="NAME=URL",
                     help="an OpenAI-compatible server for the stock-client rows (repeatable)")
-    ap.add_argument("--programs", default="sgl,dspy,langchain")
+    ap.add_argument("--programs", default="sgl,dspy,langchain",
+                    help="comma-separated, repeats allowed: sgl, dspy, langchain, dspy-floor")
     ap.add_argument("--warmup", type=int, default=2, help="questions each row runs untimed "
                     "first (a server compiles a schema once and caches it: without a warm-up "
                     "the first row to use a schema pays for every later one)")
@@ -128,11 +143,12 @@ def main(argv: list[str] | None = None) -> None:
                                                         peers.items()}):
             print(f"{program} / {client} / {server} ({url}): {len(questions)} questions ...")
             kwargs = {key: make() for key, make in lazy.items()}
+            pipeline = "dspy" if program == "dspy-floor" else program
             if warm:  # untimed: compiles this row's schemas / grammars on the server
-                evaluate(program, warm, retriever, args.k, url, grounded=False, **kwargs)
+                evaluate(pipeline, warm, retriever, args.k, url, grounded=False, **kwargs)
             if flush_prefix_cache(url) is None:
                 print(f"  (no way to empty {server}'s prefix cache: it may reuse earlier rows)")
-            result = evaluate(program, questions, retriever, args.k, url, progress=True,
+            result = evaluate(pipeline, questions, retriever, args.k, url, progress=True,
                               grounded=False, **kwargs)
             table.append(table_row(program, client, server, result["summary"]))
             results.append((program, client, server, result))

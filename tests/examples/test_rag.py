@@ -191,6 +191,31 @@ def test_the_programs_benchmark_runs_each_program_on_both_client_stacks(data_dir
     assert "| program" in printed and "ChatOpenAI json_schema" in printed and "class" in printed
 
 
+def test_the_dspy_floor_row_cuts_every_field_to_one_token(data_dir, tmp_path, tiny_server):
+    """benchmarks.programs --programs dspy-floor: the DSPy program through SGLangLM with every
+    lowered field cut to one token (the adapter's ceiling row): the server generates at most
+    one token a request, and every question still parses into an answer."""
+    pytest.importorskip("dspy")
+    import httpx
+
+    from benchmarks import programs
+
+    def counters():
+        m = httpx.get(tiny_server.url + "/server_info", timeout=30).json()["metrics"]
+        return m["generated_tokens"], m["finished_requests"]
+
+    out = tmp_path / "programs.jsonl"
+    generated, finished = counters()
+    programs.main(["--n", "2", "--warmup", "0", "--k", "2", "--ours", tiny_server.url,
+                   "--programs", "dspy-floor", "--data-dir", data_dir, "--out", str(out)])
+    generated, finished = (a - b for a, b in zip(counters(), (generated, finished)))
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert {(r["program"], r["client"], r["server"]) for r in rows} == {
+        ("dspy-floor", "SGLangLM(max_tokens=1)", "ours")}
+    assert len(rows) == 2 and all(r["error"] is None and r["prediction"] for r in rows), rows
+    assert finished >= 2 * 2 and generated <= finished, (generated, finished)
+
+
 def test_the_baseline_row_can_run_on_any_openai_compatible_server(data_dir, tmp_path,
                                                                   tiny_server, capsys):
     """--baseline-url: the baseline row (DSPy's own OpenAI route) runs against that server,
