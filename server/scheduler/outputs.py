@@ -15,7 +15,7 @@ import torch
 
 from server.constrained.jump_forward import accepted_prefix, draft_tokens
 from server.model.forward_batch import RunnerOutput
-from server.model.sampling import Sampler, argmax_decides, argmax_rows, best_allowed, top_logprobs
+from server.model.sampling import Sampler, argmax_decides, argmax_rows, best_allowed, take_rows, top_logprobs
 from server.scheduler.ngram import ngram_draft
 from server.scheduler.request import FinishReason, Req
 
@@ -79,15 +79,6 @@ def request_embedding(req: Req, out: RunnerOutput, row: int) -> list[float]:
         vector = out.hidden[row].float()
     normalize = req.pooling is None or req.pooling.normalize
     return (torch.nn.functional.normalize(vector, dim=0) if normalize else vector).tolist()
-
-
-def take_rows(logits: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
-    """logits[rows] ([len(rows), V]); a view, with no index tensor to copy to the device, when
-    the rows are 0..n-1 (every decode step)."""
-    n = len(rows)
-    if all(r == i for i, r in enumerate(rows)):
-        return logits[:n]
-    return logits[torch.tensor(rows, device=logits.device)]
 
 
 def sample_and_append(sampler: Sampler, items: Sequence[tuple[Req, int]], logits: torch.Tensor,
