@@ -216,6 +216,27 @@ def test_the_dspy_floor_row_cuts_every_field_to_one_token(data_dir, tmp_path, ti
     assert finished >= 2 * 2 and generated <= finished, (generated, finished)
 
 
+def test_the_adapter_ceiling_replays_the_programs_requests_without_decoding(data_dir, tmp_path,
+                                                                        tiny_server):
+    """benchmarks.adapter_ceiling: every request SGLangLM sent for the DSPy program is recorded
+    and replayed prefill only (the server finishes as many requests again and decodes
+    nothing), the floor row decodes at most a token a request, and the ceiling is computed
+    from those times."""
+    pytest.importorskip("dspy")
+    from benchmarks import adapter_ceiling
+
+    passages, questions = load(data_dir)
+    retriever = Retriever(passages, cache_dir=str(tmp_path))
+    rep = adapter_ceiling.repetition(tiny_server.url, mixed(questions, 2), retriever, 2)
+    (_, ran), (_, replayed), (_, floor) = rep["dspy"], rep["replay"], rep["floor"]
+    assert ran["finished_requests"] >= 2 * 2 and ran["generated_tokens"] > 0, ran
+    assert replayed["finished_requests"] == ran["finished_requests"], (replayed, ran)
+    assert replayed["generated_tokens"] == 0, replayed
+    assert floor["generated_tokens"] <= floor["finished_requests"], floor
+    bound, every_token, per_token = adapter_ceiling.ceiling(rep)
+    assert bound >= 1.0 and every_token > 0 and per_token >= 0
+
+
 def test_the_baseline_row_can_run_on_any_openai_compatible_server(data_dir, tmp_path,
                                                                   tiny_server, capsys):
     """--baseline-url: the baseline row (DSPy's own OpenAI route) runs against that server,
