@@ -29,7 +29,6 @@ forward passes. The first line prints the CPU class.
 
 from __future__ import annotations
 
-import argparse
 import json
 import threading
 import time
@@ -39,7 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 
 from benchmarks.common import print_table
-from benchmarks.programs import flush_prefix_cache, one_token_sglang_lm
+from benchmarks.programs import flush_prefix_cache, one_token_sglang_lm, question_args
 from examples.rag.__main__ import evaluate
 from examples.rag.data import load, mixed
 from examples.rag.retrieval import Retriever
@@ -143,11 +142,7 @@ def ceiling(rep: dict) -> tuple[float, float, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--n", type=int, default=40, help="questions, half span, half yes/no")
-    ap.add_argument("--k", type=int, default=3, help="passages retrieved per question")
-    ap.add_argument("--ours", default=None, help="a running bundled server (default: start one "
-                    "on the default model)")
+    ap = question_args(__doc__)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=2, help="questions run untimed first")
     ap.add_argument("--data-dir", default=None)

@@ -107,12 +107,18 @@ def table_row(program: str, client: str, server: str, summary: dict) -> list[str
             str(summary["empty"]), f"{summary['seconds']:.1f}"]
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def question_args(doc: str) -> argparse.ArgumentParser:
+    """A parser with the options the program benchmarks share: --n, --k, --ours."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=40, help="questions, half span, half yes/no")
     ap.add_argument("--k", type=int, default=3, help="passages retrieved per question")
     ap.add_argument("--ours", default=None, help="a running bundled server (default: start one "
                     "on the default model)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = question_args(__doc__)
     ap.add_argument("--peer", action="append", default=[], metavar="NAME=URL",
                     help="an OpenAI-compatible server for the stock-client rows (repeatable)")
     ap.add_argument("--programs", default="sgl,dspy,langchain",
