@@ -103,11 +103,13 @@ def replay(base_url: str, calls: dict[int, list[tuple[str, dict]]]) -> float:
 
 
 def counters(base_url: str) -> dict[str, float]:
+    """The server's COUNTERS so far (``/server_info``). Raises httpx.HTTPError."""
     m = httpx.get(base_url + "/server_info", timeout=30).json()["metrics"]
     return {k: m[k] for k in COUNTERS}
 
 
 def delta(after: dict, before: dict) -> dict:
+    """COUNTERS gained between two ``counters`` readings."""
     return {k: after[k] - before[k] for k in COUNTERS}
 
 
