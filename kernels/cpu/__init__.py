@@ -26,7 +26,10 @@ temperature / min-p rows (:class:`server.model.sampling.Sampler` with ``native``
 Selection: :func:`unavailable_reason` says why a library cannot be used here (not built, or
 the CPU lacks its instructions); :func:`linear_kernel` picks the best linear kernel for a
 configured CPU class (``--cpu-isa``, ``SGL_CPU_ISA``: "none" keeps torch's own ops, "avx2"
-runs the AVX2 kernels on a bigger machine).
+runs the AVX2 kernels on a bigger machine). The kernels that stream K/V rows and weight blocks
+prefetch them into L2 on AMD family 19h and into L1 elsewhere (``csrc/prefetch.h``);
+``SGL_CPU_PREFETCH=l1|l2`` overrides that (the same bits either way; another value is an error
+at the first call).
 """
 
 from __future__ import annotations
