@@ -113,6 +113,14 @@ def delta(after: dict, before: dict) -> dict:
     return {k: after[k] - before[k] for k in COUNTERS}
 
 
+def timed_program(url: str, questions, retriever, k: int, lm) -> tuple[float, dict]:
+    """Seconds the main job's DSPy program took through ``lm`` (unrounded: a tiny row takes
+    milliseconds) and the COUNTERS it added."""
+    before, start = counters(url), time.perf_counter()
+    evaluate("dspy", questions, retriever, k, url, grounded=False, lm=lm)
+    return time.perf_counter() - start, delta(counters(url), before)
+
+
 def repetition(url: str, questions, retriever, k: int) -> dict:
     """One repetition: SGLangLM recorded, its requests replayed prefill only, the floor."""
     from sgl_adapters.dspy import SGLangLM
@@ -121,15 +129,11 @@ def repetition(url: str, questions, retriever, k: int) -> dict:
     lm = SGLangLM(base_url=url, temperature=0.0, max_tokens=48, cache=False)
     recorder = Recorder(lm)
     flush_prefix_cache(url)
-    before, start = counters(url), time.perf_counter()
-    evaluate("dspy", questions, retriever, k, url, grounded=False, lm=lm)
-    out["dspy"] = (time.perf_counter() - start, delta(counters(url), before))
+    out["dspy"] = timed_program(url, questions, retriever, k, lm)
     before = counters(url)
     out["replay"] = (replay(url, recorder.calls), delta(counters(url), before))
     flush_prefix_cache(url)
-    before, start = counters(url), time.perf_counter()  # unrounded: a tiny row takes ms
-    evaluate("dspy", questions, retriever, k, url, grounded=False, lm=one_token_sglang_lm(url))
-    out["floor"] = (time.perf_counter() - start, delta(counters(url), before))
+    out["floor"] = timed_program(url, questions, retriever, k, one_token_sglang_lm(url))
     out["stops"] = recorder.stop_chars()
     return out
 
