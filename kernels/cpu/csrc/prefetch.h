@@ -18,8 +18,9 @@ namespace {
 // family 19h (Zen 3 / Zen 4). Measured on a 2-core Zen 4: decode attention over DRAM-resident
 // bf16 K/V (benchmarks.cpu_attention --layers 30, shuffled slots) 16 x (512 + 1) 0.58 -> 0.28
 // ms a layer, 1 x (4096 + 1) 0.29 -> 0.13, extends unchanged; one row through the default
-// model's 120 int4 linears from DRAM 18-22 -> 22-25 GB/s; prefills unchanged. Into L1 the misses
-// in flight stalled on the L1's miss buffers. On Zen 5 (family 1Ah) L1 measured faster (docs/benchmarks.md,
+// model's 120 int4 linears from DRAM 18-22 -> 22-25 GB/s; prefills unchanged; again 2026-11-28
+// in the engine, one stream after 4,096 tokens 108-119 tok/s against 74-76 into L1. Into L1 the
+// misses in flight stalled on the L1's miss buffers. On Zen 5 (family 1Ah) L1 measured faster (docs/benchmarks.md,
 // "Engine"; again 2026-11-28: 1 x 4,096 decode from DRAM 0.086-0.091 ms a layer into L1,
 // 0.091-0.097 into L2), and nothing was measured elsewhere, so L1 stays the default.
 // SGL_CPU_PREFETCH=l1|l2 overrides the choice (read once a process), so both paths run and are
