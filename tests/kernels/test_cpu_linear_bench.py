@@ -1,5 +1,6 @@
-"""benchmarks.cpu_linear's decode-step row (``--layers``): the bytes it divides by are the packed
-weights every kernel reads, and a pass runs every layer's linears."""
+"""benchmarks.cpu_linear's decode-step row (``--layers``): the bytes it divides its times by are
+the packed weights of every layer's linears, the same for each kernel's layout (its GB/s and the
+plain read's compare like for like)."""
 
 from __future__ import annotations
 
