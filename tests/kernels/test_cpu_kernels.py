@@ -218,21 +218,26 @@ def test_the_avx512_rope_store_gives_torchs_bits(dtype, kv_dtype, d):
 @pytest.mark.parametrize("dtype,kv_dtype", [(torch.float32, torch.float32),
                                             (torch.float32, torch.bfloat16),
                                             (torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize("hq,hkv,d,window", [(9, 3, 64, 0), (9, 3, 64, 300), (8, 2, 128, 0),
+                                             (4, 4, 32, 0)])
 def test_attention_of_a_token_is_the_same_in_decode_and_in_any_extend(attention_op, dtype,
-                                                                      kv_dtype):
+                                                                      kv_dtype, hq, hkv, d,
+                                                                      window):
     """Bitwise: token p of a sequence computed in a long extend, in a short extend over the
     cached prefix, and as a decode step beside other sequences (with a bf16 pool, a decode reads
     K/V rows in place while an extend tile stages them as float32; the bf16 dot-product kernel
-    runs a decode's 3 units through softmax_step and an extend tile's through softmax_step16;
-    a pass with few items cuts tiles of 32 tokens, a bigger one of 64: the same bits either
-    way)."""
-    k, v, table = _pool(4096, 3, 64, kv_dtype)
-    q = torch.randn(1200, 9, 64).to(dtype)
+    runs a decode's units (a group of 1-4 heads) through softmax_step with each chunk's K and V
+    blocks taken from the rows into registers, an extend tile's through softmax_step16 over
+    blocks stored once a chunk; a pass with few items cuts tiles of 32 tokens, a bigger one of
+    64: the same bits either way). Head dims with one and with several 16-pair blocks a row, a
+    sliding window (chunks masked at its start)."""
+    k, v, table = _pool(4096, hkv, d, kv_dtype)
+    q = torch.randn(1200, hq, d).to(dtype)
     scale = 0.125
 
     def run(rows, prefix, ext, qs):
         return attention_op(qs.contiguous(), k, v, table, torch.tensor(rows),
-                            torch.tensor(prefix), torch.tensor(ext), scale, 0, 0.0)
+                            torch.tensor(prefix), torch.tensor(ext), scale, window, 0.0)
 
     whole = run([1], [0], [1200], q)
     chunk = run([1], [1000], [200], q[1000:])
