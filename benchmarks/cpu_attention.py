@@ -10,7 +10,9 @@ cached prefix and decode steps, and reports milliseconds and GFLOP/s (4 x head_d
 (query head, attended position) pair: the causal work only). The first lines print the CPU
 class and the fp32/bf16/int8 GEMM rates torch reaches in the same run. ``--layers 30`` gives
 every call its own K/V pool, called in turn as a model's layers are, so the K/V comes from DRAM
-as in a decode step rather than from the cache (times are still per call).
+as in a decode step rather than from the cache (times are still per call), and adds a column:
+``torch.sum`` over the same pools in the same order (per call: the time a plain read of the
+bytes the call reads takes, and its GB/s), the read limit at these per-call sizes.
 """
 
 from __future__ import annotations
@@ -81,8 +83,14 @@ def main() -> None:
                     op(q, k, v, *rest)
             t = _time(layers, args.seconds) / args.layers
             row.append(f"{t * 1e3:.3f} ({flops / t / 1e9:.0f})")
+        if args.layers > 1:  # summed as int64 words: a plain read of the same bytes
+            words = [t.view(-1).view(torch.int64) for kv in pools for t in kv]
+            t = _time(lambda: [w.sum() for w in words], args.seconds) / args.layers
+            gbs = sum(w.nbytes for w in words) / args.layers / t / 1e9
+            row.append(f"{t * 1e3:.3f} ({gbs:.0f} GB/s)")
         rows.append(row)
-    print_table(["batch x (cached + new)"] + [f"{k} ms (GFLOP/s)" for k in ops], rows)
+    read = ["torch.sum ms (GB/s)"] if args.layers > 1 else []
+    print_table(["batch x (cached + new)"] + [f"{k} ms (GFLOP/s)" for k in ops] + read, rows)
 
 
 if __name__ == "__main__":
