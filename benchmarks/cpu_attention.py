@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from benchmarks.common import matrix_peaks, print_table
+from benchmarks.common import matrix_peaks, print_table, read_views
 from kernels import cpu as native
 from kernels.cpu_features import cpu_description
 
@@ -83,8 +83,8 @@ def main() -> None:
                     op(q, k, v, *rest)
             t = _time(layers, args.seconds) / args.layers
             row.append(f"{t * 1e3:.3f} ({flops / t / 1e9:.0f})")
-        if args.layers > 1:  # summed as int64 words: a plain read of the same bytes
-            words = [t.view(-1).view(torch.int64) for kv in pools for t in kv]
+        if args.layers > 1:  # a plain read of the same bytes
+            words = read_views([t for kv in pools for t in kv])
             t = _time(lambda: [w.sum() for w in words], args.seconds) / args.layers
             gbs = sum(w.nbytes for w in words) / args.layers / t / 1e9
             row.append(f"{t * 1e3:.3f} ({gbs:.0f} GB/s)")

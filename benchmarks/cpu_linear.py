@@ -30,7 +30,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import copy_bandwidth, read_bandwidth
+from benchmarks.common import copy_bandwidth, read_bandwidth, read_views
 from kernels import cpu as native
 from kernels.cpu_features import cpu_description, native_bf16
 from server.model.quantization import quantize_int4, quantize_int8
@@ -85,8 +85,7 @@ def layer_stack(kernel: str, shapes: list[tuple[int, int]], layers: int, dtype,
             call, read = _kernel_calls(kernel, "int4", quantize_int4(torch.randn(n, k)))
             weights += read
             calls.append((call, torch.randn(1, k).to(dtype)))
-    # summed as int64 words (a uint8 sum widens every byte and runs ~4x slower than a read)
-    flat = [w.view(-1).view(torch.int64) if w.nbytes % 8 == 0 else w.view(-1) for w in weights]
+    flat = read_views(weights)
     kernel_ms, sum_ms = [], []
     for _ in range(reps):
         kernel_ms.append(_median_ms(lambda: [call(x) for call, x in calls], 1))
