@@ -1,0 +1,177 @@
+// How fast a decode step's K/V rows stream from DRAM in the orders an attention kernel can read
+// them, and whether a weight stream overlaps with them: the memory side of the one-stream
+// 4,096-token row of issue [2/8], without the attention arithmetic. 30 layers of SmolLM2's
+// K and V pools ([4,097 slots, 3 KV heads, 64] bfloat16, slots in order) and 2.2 MB of weights a
+// layer (its int4 linears), all read with 512-bit loads summed into a register. A standalone
+// program, not part of the server:
+//
+//   g++ -O3 -march=native -fopenmp benchmarks/kv_stream.cpp -o /tmp/kv_stream
+//   OMP_NUM_THREADS=2 OMP_PROC_BIND=true /tmp/kv_stream
+//
+// Orders (each thread a contiguous range of the work, as the kernel's run_items):
+//   plain read          each thread half of each pool, in address order (torch.sum's)
+//   per head, prefetch  the kernel's: items (512-position partition, KV head), each reading
+//                       2 of every 6 lines of a row, rows prefetched 32 positions ahead (L2)
+//   per head            the same without the software prefetch
+//   whole rows          items of a partition's every head: all 6 lines of a row, in order
+//   touch, heads inner  a chunk's 32 rows touched whole in order, then read head by head
+//   prefetch, heads inner  the chunk's rows software-prefetched instead of touched
+//   weights alone       the layer's weights, each thread half in order
+//   K/V then weights    per head, prefetch; then the layer's weights read in order
+//   weights interleaved per head, prefetch, with ~2.8 weight lines loaded per position
+// 2026-11-28, 2-core AMD EPYC Zen 4 (family 19h), GB/s in a slow / a fast minute: plain 29-35 /
+// 47-52; per head with prefetch 22-24 / 32-33, without 21-22 / 26-27; whole rows 32-39 / 54-66;
+// touch + heads inner 29-33 / 40-44; prefetch + heads inner 25-28 / 34-37; ms a layer for K/V
+// then weights 0.169-0.188 / 0.125-0.134 against weights interleaved 0.167-0.193 /
+// 0.111-0.113. The hardware prefetchers follow ascending demand loads, which software
+// prefetches do not train. In the kernel neither lever carried over (docs/kernels.md).
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+namespace {
+
+constexpr int LAYERS = 30, HEADS = 3, D = 64, N = 4096, PART = 512, CHUNK = 32, AHEAD = 32;
+constexpr int64_t ROW = HEADS * D * 2, HEAD_BYTES = D * 2;  // bytes of a row, of a head's part
+constexpr int64_t WEIGHT_BYTES = 2200 * 1024;
+char *k_pool[LAYERS], *v_pool[LAYERS], *weights[LAYERS];
+volatile float sink;
+
+enum Order {
+  PLAIN, PER_HEAD_PF, PER_HEAD, WHOLE_ROWS, TOUCH_INNER, PF_INNER, WEIGHTS, THEN_W, WITH_W, ORDERS
+};
+const char* NAMES[ORDERS] = {"plain read", "per head, prefetch", "per head", "whole rows",
+                             "touch, heads inner", "prefetch, heads inner", "weights alone",
+                             "K/V then weights", "weights interleaved"};
+
+inline __m512 load(const char* p) { return _mm512_castsi512_ps(_mm512_loadu_si512(p)); }
+
+// Sum [p, p + bytes) in address order into acc.
+inline void read_span(const char* p, int64_t bytes, __m512& acc) {
+  for (int64_t o = 0; o < bytes; o += 64) acc = _mm512_add_ps(acc, load(p + o));
+}
+
+// The kernel's order on thread t of nt: its contiguous range of (partition, head) items, each
+// row's head part read and (pf) the row AHEAD positions on prefetched into L2; with_w: after
+// each position, the next weight lines of the thread's half, ~WEIGHT_BYTES / K/V bytes of them.
+void per_head(const char* K, const char* V, const char* W, int t, int nt, bool pf, bool with_w,
+              __m512& acc) {
+  const int items = N / PART * HEADS, per = items / nt;
+  const int64_t w_half = WEIGHT_BYTES / nt, positions = static_cast<int64_t>(per) * PART;
+  const char* w = W + t * w_half;
+  int64_t w_done = 0, visited = 0;
+  for (int i = t * per; i < (t + 1) * per; ++i) {
+    const int part = i / HEADS, h = i % HEADS, end = (part + 1) * PART;
+    for (int p = part * PART; p < end; ++p, ++visited) {
+      if (pf && p + AHEAD < end)
+        for (const char* base : {K, V}) {
+          const char* a = base + (p + AHEAD) * ROW + h * HEAD_BYTES;
+          _mm_prefetch(a, _MM_HINT_T1);
+          _mm_prefetch(a + 64, _MM_HINT_T1);
+        }
+      read_span(K + p * ROW + h * HEAD_BYTES, HEAD_BYTES, acc);
+      read_span(V + p * ROW + h * HEAD_BYTES, HEAD_BYTES, acc);
+      if (with_w) {
+        const int64_t due = w_half * (visited + 1) / positions / 64 * 64;
+        read_span(w + w_done, due - w_done, acc);
+        w_done = due;
+      }
+    }
+  }
+  if (with_w) read_span(w + w_done, w_half - w_done, acc);
+}
+
+// Items of a partition's every head on thread t: per chunk, whole rows in order (WHOLE_ROWS),
+// or the chunk's rows touched whole (TOUCH_INNER) or prefetched (PF_INNER) and then read head
+// by head, K then V.
+void all_heads(const char* K, const char* V, int t, int nt, Order order, __m512& acc) {
+  const int per = N / PART / nt;
+  __m512 touched = _mm512_setzero_ps();
+  for (int c = t * per * PART; c < (t + 1) * per * PART; c += CHUNK) {
+    const char *kc = K + c * ROW, *vc = V + c * ROW;
+    if (order == WHOLE_ROWS) {
+      read_span(kc, CHUNK * ROW, acc);
+      read_span(vc, CHUNK * ROW, acc);
+      continue;
+    }
+    for (const char* base : {kc, vc})
+      for (int64_t o = 0; o < CHUNK * ROW; o += 64) {
+        if (order == TOUCH_INNER) touched = _mm512_add_ps(touched, load(base + o));
+        else _mm_prefetch(base + o, _MM_HINT_T1);
+      }
+    for (int h = 0; h < HEADS; ++h)
+      for (const char* base : {kc, vc})
+        for (int j = 0; j < CHUNK; ++j) read_span(base + j * ROW + h * HEAD_BYTES, HEAD_BYTES, acc);
+  }
+  acc = _mm512_add_ps(acc, touched);
+}
+
+float run(Order order, int l) {
+  const char *K = k_pool[l] + ROW, *V = v_pool[l] + ROW;  // slots 1 .. N (0 is padding)
+  float total = 0;
+#pragma omp parallel reduction(+ : total)
+  {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    __m512 acc = _mm512_setzero_ps();
+    switch (order) {
+      case PLAIN:
+        for (const char* base : {K, V}) read_span(base + t * (N * ROW / nt), N * ROW / nt, acc);
+        break;
+      case WEIGHTS:
+        read_span(weights[l] + t * (WEIGHT_BYTES / nt), WEIGHT_BYTES / nt, acc);
+        break;
+      case PER_HEAD_PF: case PER_HEAD: case THEN_W: case WITH_W:
+        per_head(K, V, weights[l], t, nt, order != PER_HEAD, order == WITH_W, acc);
+        if (order == THEN_W)
+          read_span(weights[l] + t * (WEIGHT_BYTES / nt), WEIGHT_BYTES / nt, acc);
+        break;
+      default:
+        all_heads(K, V, t, nt, order, acc);
+    }
+    total += _mm512_reduce_add_ps(acc);
+  }
+  return total;
+}
+
+double now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+}  // namespace
+
+int main() {
+  const int64_t pool_bytes = static_cast<int64_t>(N + 1) * ROW;
+  for (int l = 0; l < LAYERS; ++l) {  // written once, so every page is resident
+    k_pool[l] = static_cast<char*>(std::aligned_alloc(64, pool_bytes));
+    v_pool[l] = static_cast<char*>(std::aligned_alloc(64, pool_bytes));
+    weights[l] = static_cast<char*>(std::aligned_alloc(64, WEIGHT_BYTES));
+    std::memset(k_pool[l], 1, pool_bytes);
+    std::memset(v_pool[l], 1, pool_bytes);
+    std::memset(weights[l], 1, WEIGHT_BYTES);
+  }
+  std::printf("%d layers x 2 x %d positions x %lld B rows (+ %.1f MB weights a layer where read)\n",
+              LAYERS, N, static_cast<long long>(ROW), WEIGHT_BYTES / 1e6);
+  for (int round = 0; round < 3; ++round) {  // rounds: the machine's bandwidth drifts
+    for (int o = 0; o < ORDERS; ++o) {
+      const Order order = static_cast<Order>(o);
+      double best = 1e9;
+      for (int rep = 0; rep < 5; ++rep) {
+        const double a = now();
+        float s = 0;
+        for (int l = 0; l < LAYERS; ++l) s += run(order, l);
+        sink = s;
+        best = std::min(best, (now() - a) / LAYERS);
+      }
+      const double bytes = (order == WEIGHTS ? 0 : 2.0 * N * ROW) +
+                           (order >= WEIGHTS ? WEIGHT_BYTES : 0);
+      std::printf("%-22s %.3f ms a layer  %5.1f GB/s\n", NAMES[o], best * 1e3, bytes / best / 1e9);
+    }
+    std::printf("\n");
+  }
+}
