@@ -190,11 +190,16 @@ def long_context(args, device: str, texts: list[str], read_gbs: float | None) ->
     """One stream's decode rate after prompts of each of ``args.context_lengths`` tokens (the
     texts joined until long enough), for each of ``args.kv_cache_dtypes``, and its ratio to the
     first length's, with the KV bytes one step reads at each length. With ``read_gbs`` (the
-    read bandwidth measured in the same run, GB/s), also the highest ratio that bandwidth
-    allows: a step at N tokens reads the weights and N tokens of KV, so it takes at least
-    (weight + KV bytes) / read bandwidth, however well the rest overlaps with the reads."""
+    read bandwidth measured before, GB/s), the read bandwidth is measured again after every
+    timed run, and each row gets the highest ratio the best of those allows: a step at N
+    tokens reads the weights and N tokens of KV, so it takes at least (weight + KV bytes) /
+    read bandwidth, however well the rest overlaps with the reads. (The best of the run,
+    because a shared machine's bandwidth drifts by 1.5x within minutes: a bound from one
+    reading taken in a slow minute would understate what the rates measured in a fast one
+    allow.)"""
     lengths = [int(v) for v in args.context_lengths.split(",")]
-    rows = []
+    rows, floors = [], []  # floors: per row, (the first length's rate, weight + KV bytes)
+    reads = [read_gbs] if read_gbs else []
     for kv_dtype in args.kv_cache_dtypes.split(","):
         engine = Engine(args.model, device=device, kv_cache_dtype=kv_dtype,
                         quantization=args.quantization,
@@ -213,19 +218,22 @@ def long_context(args, device: str, texts: list[str], read_gbs: float | None) ->
             for _ in range(args.repeats):  # the best of a few: shared machines are noisy
                 rate = max(rate, run_engine(engine, [prompt], args.new_tokens)["decode"])
                 engine.flush_cache()
+                if reads:
+                    reads.append(read_bandwidth())
             first = first or rate
             kv_bytes = n * engine.kv_pool.bytes_per_token()
-            bound = ""
-            if read_gbs:
-                floor_s = (weight_bytes(engine) + kv_bytes) / (read_gbs * 1e9)
-                bound = f"{min(1.0, 1 / (first * floor_s)):.2f}"
+            floors.append((first, weight_bytes(engine) + kv_bytes))
             rows.append([engine.config.model.dtype, engine.config.model.kv_cache_dtype, str(n),
-                         f"{kv_bytes / 1e6:.0f}", f"{rate:.1f}", f"{rate / first:.2f}", bound])
+                         f"{kv_bytes / 1e6:.0f}", f"{rate:.1f}", f"{rate / first:.2f}"])
         attention = engine.runner.attention.name
         del engine
         gc.collect()
+    for row, (first, floor_bytes) in zip(rows, floors):
+        row.append(f"{min(1.0, max(reads) * 1e9 / (first * floor_bytes)):.2f}" if reads else "")
     print(f"\nOne stream, {args.new_tokens} new tokens after a prompt of N tokens, the best of "
-          f"{args.repeats} runs (attention {attention}):")
+          f"{args.repeats} runs (attention {attention})"
+          + (f"; read bandwidth {min(reads):.1f}-{max(reads):.1f} GB/s over the runs, the "
+             "bound at its best:" if reads else ":"))
     print_table(["dtype", "KV dtype", "prompt tokens", "KV MB a step", "decode tok/s",
                  "vs the first", "bound at the read bandwidth"], rows)
 
