@@ -16,28 +16,31 @@ import triton.language as tl
 
 
 @triton.jit
-def _store_kv_kernel(K_new, V_new, K_buf, V_buf, loc, stride_kt, stride_vt, stride_kc, stride_vc,
-                     ROW: tl.constexpr, BLOCK: tl.constexpr):
+def _store_kv_kernel(K_new, V_new, K_buf, V_buf, loc, stride_kt, stride_vt, stride_kc, stride_kh,
+                     stride_vc, stride_vh, D: tl.constexpr, ROW: tl.constexpr,
+                     BLOCK: tl.constexpr):
     t = tl.program_id(0)
     slot = tl.load(loc + t).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < ROW
-    tl.store(K_buf + slot * stride_kc + offs, tl.load(K_new + t * stride_kt + offs, mask=mask),
-             mask=mask)
-    tl.store(V_buf + slot * stride_vc + offs, tl.load(V_new + t * stride_vt + offs, mask=mask),
-             mask=mask)
+    head, d = offs // D, offs % D  # the pool's heads may be strided (a head-major CPU pool)
+    tl.store(K_buf + slot * stride_kc + head * stride_kh + d,
+             tl.load(K_new + t * stride_kt + offs, mask=mask), mask=mask)
+    tl.store(V_buf + slot * stride_vc + head * stride_vh + d,
+             tl.load(V_new + t * stride_vt + offs, mask=mask), mask=mask)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
              loc: torch.Tensor) -> None:
-    """k, v: [T, Hkv, D]; k_buffer, v_buffer: [C, Hkv, D] (same dtype); loc: [T] int slots.
-    Writes in place. Rows of each token (Hkv * D elements) must be contiguous."""
+    """k, v: [T, Hkv, D]; k_buffer, v_buffer: [C, Hkv, D] (same dtype; any slot and head
+    strides, each head's D elements contiguous); loc: [T] int slots. Writes in place."""
     if k.shape[0] == 0:
         return
     k, v = k.contiguous(), v.contiguous()
     row = k.shape[1] * k.shape[2]
     _store_kv_kernel[(k.shape[0],)](k, v, k_buffer, v_buffer, loc, k.stride(0), v.stride(0),
-                                    k_buffer.stride(0), v_buffer.stride(0), ROW=row,
+                                    k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0),
+                                    v_buffer.stride(1), D=k.shape[2], ROW=row,
                                     BLOCK=triton.next_power_of_2(row))
 
 

@@ -143,13 +143,50 @@ def test_attention_matches_the_reference(attention_op, dtype, kv_dtype, hq, hkv,
     assert out.dtype == dtype and (out.float() - ref.float()).abs().max() < tol
 
 
+def _zeros_kv(capacity: int, hkv: int, d: int, dtype, head_major: bool) -> torch.Tensor:
+    """A zeroed [capacity, hkv, d] K/V buffer, slot-major or (as the CPU pool) a view of
+    head-major storage."""
+    if head_major:
+        return torch.zeros(hkv, capacity, d, dtype=dtype).permute(1, 0, 2)
+    return torch.zeros(capacity, hkv, d, dtype=dtype)
+
+
+def _as_head_major(buf: torch.Tensor) -> torch.Tensor:
+    """``buf``'s values in head-major storage, seen as the same [C, H, D]."""
+    return buf.permute(1, 0, 2).contiguous().permute(1, 0, 2)
+
+
 @needs_native
 @pytest.mark.parametrize("dtype,kv_dtype", [(torch.float32, torch.float32),
                                             (torch.bfloat16, torch.bfloat16),
                                             (torch.float32, torch.bfloat16)])
-def test_rope_store_rotates_like_the_reference_and_rounds_kv_to_the_pool(dtype, kv_dtype):
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (8, 2, 40)])
+def test_attention_reads_a_head_major_pool_as_a_slot_major_one(attention_op, dtype, kv_dtype,
+                                                               hq, hkv, d):
+    """The CPU pool is a view of head-major storage (kv_pool.py): the kernels take the slot
+    and head strides from the buffers, so the same K/V give the same bits either way, in
+    decode rows and extend rows alike; K and V laid out differently are an error."""
+    k, v, table = _pool(4096, hkv, d, kv_dtype)
+    rows, prefix, ext = [0, 2, 3], [0, 700, 1100], [37, 1, 300]
+    q = torch.randn(sum(ext), hq, d).to(dtype)
+    rest = (table, torch.tensor(rows), torch.tensor(prefix), torch.tensor(ext), d ** -0.5, 0,
+            0.0)
+    want = attention_op(q, k, v, *rest)
+    assert torch.equal(attention_op(q, _as_head_major(k), _as_head_major(v), *rest), want)
+    with pytest.raises(RuntimeError, match="same strides"):
+        attention_op(q, k, _as_head_major(v), *rest)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype,kv_dtype", [(torch.float32, torch.float32),
+                                            (torch.bfloat16, torch.bfloat16),
+                                            (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize("head_major", [False, True])
+def test_rope_store_rotates_like_the_reference_and_rounds_kv_to_the_pool(dtype, kv_dtype,
+                                                                        head_major):
     """q and k rotated in place as HF's apply_rope; k, v stored at their slots, rounded to a
-    narrower pool exactly as Tensor.to rounds them (what the reference backend stores)."""
+    narrower pool exactly as Tensor.to rounds them (what the reference backend stores), into
+    a slot-major buffer or a head-major view alike."""
     from kernels.reference import apply_rope
 
     torch.manual_seed(0)
@@ -158,8 +195,8 @@ def test_rope_store_rotates_like_the_reference_and_rounds_kv_to_the_pool(dtype, 
     angles = torch.randn(t, d // 2)
     cos = torch.cat([angles.cos()] * 2, -1).to(dtype)
     sin = torch.cat([angles.sin()] * 2, -1).to(dtype)
-    k_buf = torch.zeros(16, hkv, d, dtype=kv_dtype)
-    v_buf = torch.zeros(16, hkv, d, dtype=kv_dtype)
+    k_buf = _zeros_kv(16, hkv, d, kv_dtype, head_major)
+    v_buf = _zeros_kv(16, hkv, d, kv_dtype, head_major)
     loc = torch.tensor([3, 9, 0, 15, 4])
     heads = qkv.view(t, hq + 2 * hkv, d)
     want_q = apply_rope(heads[:, :hq], cos, sin)
@@ -182,10 +219,11 @@ def test_rope_store_rotates_like_the_reference_and_rounds_kv_to_the_pool(dtype, 
                                             (torch.float32, torch.bfloat16),
                                             (torch.bfloat16, torch.float32)])
 @pytest.mark.parametrize("d", [64, 40, 8])
-def test_the_avx512_rope_store_gives_torchs_bits(dtype, kv_dtype, d):
+@pytest.mark.parametrize("head_major", [False, True])
+def test_the_avx512_rope_store_gives_torchs_bits(dtype, kv_dtype, d, head_major):
     """The 16-lane op rounds each product before the sum as HF's apply_rope in torch does:
     bitwise torch's q and k, and K/V in the pool as Tensor.to rounds them (head dims whose
-    half is and is not a multiple of 16)."""
+    half is and is not a multiple of 16), in a slot-major buffer or a head-major view."""
     from kernels.reference import apply_rope
 
     if not native.available("avx512_vnni"):
@@ -200,8 +238,8 @@ def test_the_avx512_rope_store_gives_torchs_bits(dtype, kv_dtype, d):
     heads = qkv.view(t, hq + 2 * hkv, d)
     want_q = apply_rope(heads[:, :hq], cos, sin)
     want_k = apply_rope(heads[:, hq:hq + hkv], cos, sin)
-    k_buf = torch.zeros(16, hkv, d, dtype=kv_dtype)
-    v_buf = torch.zeros_like(k_buf)
+    k_buf = _zeros_kv(16, hkv, d, kv_dtype, head_major)
+    v_buf = _zeros_kv(16, hkv, d, kv_dtype, head_major)
     got = qkv.clone()
     torch.ops.sgl_cpu_vnni.rope_store(got, cos, sin, hq, hkv, d, k_buf, v_buf, loc)
     got_heads = got.view(t, hq + 2 * hkv, d)

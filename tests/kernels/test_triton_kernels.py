@@ -110,6 +110,11 @@ def test_fused_ops_match_reference(device, dtype):
     fused.store_kv(k_new, v_new, kb, vb, loc)
     kr[loc], vr[loc] = k_new, v_new
     assert torch.equal(kb, kr) and torch.equal(vb, vr)
+    # ... and into head-major pools (TokenKVPool's layout on a CPU: strided heads)
+    kh, vh = (torch.zeros(2, 64, 16, dtype=dtype, device=device).permute(1, 0, 2) for _ in "kv")
+    fused.store_kv(k_new, v_new, kh, vh, loc)
+    assert torch.equal(kh[loc], k_new) and torch.equal(vh[loc], v_new)
+    assert int((kh != 0).any(dim=(1, 2)).sum()) == len(loc)  # no other slot written
     # RMSNorm over rows of a wider tensor, and RoPE on a strided view
     x = torch.randn(5, 96, generator=g).to(dtype).to(device)
     w = torch.randn(96, generator=g).to(dtype).to(device)

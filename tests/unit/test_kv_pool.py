@@ -97,3 +97,19 @@ def test_request_table_writes_one_slot_per_row_in_one_call():
     t.write_one_each([1, 3], [3, 0], torch.tensor([9, 11]))
     assert t.read(1, 0, 4).tolist() == [5, 6, 7, 9] and t.read(3, 0, 1).tolist() == [11]
     assert t.host is t.table
+
+
+def test_cpu_buffers_are_head_major_views_zeroed_at_start():
+    """Each layer's K/V is [capacity + 1, heads, head_dim] to every user, stored head-major on
+    a CPU (a head's rows for consecutive slots are contiguous: what a decode work item reads),
+    with every element written at start-up; indexing by slot reads and writes as usual."""
+    pool = TokenKVPool(10, num_layers=2, num_kv_heads=3, head_dim=4, dtype=torch.bfloat16)
+    for buf in (*pool.k_buffers, *pool.v_buffers):
+        assert buf.shape == (11, 3, 4) and buf.dtype == torch.bfloat16
+        assert buf.stride() == (4, 11 * 4, 1)
+        assert not buf.any()
+    rows = torch.randn(2, 3, 4).bfloat16()
+    pool.k_buffers[1][torch.tensor([7, 2])] = rows
+    assert torch.equal(pool.k_buffers[1][7], rows[0]) and torch.equal(pool.k_buffers[1][2], rows[1])
+    assert torch.equal(pool.k_buffers[1].permute(1, 0, 2).contiguous()[:, 7], rows[0])
+    assert pool.bytes_per_token() == 2 * 2 * 3 * 4 * 2

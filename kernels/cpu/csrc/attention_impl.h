@@ -203,7 +203,9 @@ void run(const at::Tensor& q, const at::Tensor& kbuf, const at::Tensor& vbuf,
   const int64_t q_stride = q.stride(0);
   const KV* kp = kbuf.data_ptr<KV>();
   const KV* vp = vbuf.data_ptr<KV>();
-  const int64_t row_stride = Hkv * D;
+  // elements between slots and between heads: [C, Hkv, D] contiguous, or a view of a
+  // head-major [Hkv, C, D] pool (kv_pool.py)
+  const int64_t row_stride = kbuf.stride(0), head_stride = kbuf.stride(1);
   const bool l2 = prefetch_into_l2();
   T* op = out.data_ptr<T>();
   auto work = [&](int64_t w, ItemScratch& sc) {  // item w, on whichever thread takes it
@@ -245,10 +247,9 @@ void run(const at::Tensor& q, const at::Tensor& kbuf, const at::Tensor& vbuf,
     }
     if (nrows == 0) return;
     auto call = [&](auto nv) {
-      attend_tile<Chunk, decltype(nv)::value, KV>(qrows, rows, nrows, group, kp + it.head * D,
-                                           vp + it.head * D, row_stride,
-                                           table + seq_rows[it.seq] * L, a, e, scale, softcap,
-                                           kst, vst, prs, l2);
+      attend_tile<Chunk, decltype(nv)::value, KV>(
+          qrows, rows, nrows, group, kp + it.head * head_stride, vp + it.head * head_stride,
+          row_stride, table + seq_rows[it.seq] * L, a, e, scale, softcap, kst, vst, prs, l2);
     };
     switch (D / 8) {  // head_dim 8 .. 256 in steps of 8
 #define SGL_NV(n) case n: call(std::integral_constant<int, n>{}); break;
@@ -308,8 +309,9 @@ void run(const at::Tensor& q, const at::Tensor& kbuf, const at::Tensor& vbuf,
   });
 }
 
-// q [T, Hq, D] float32/bfloat16 (rows may be strided: a view into a fused qkv); k_buf, v_buf [C, Hkv, D] float32/bfloat16 (already holding
-// the new tokens' K/V); req_to_token [R, L] int64; req_rows, prefix_lens, extend_lens [B]
+// q [T, Hq, D] float32/bfloat16 (rows may be strided: a view into a fused qkv); k_buf, v_buf
+// [C, Hkv, D] float32/bfloat16 with contiguous head rows, in any slot / head strides (both
+// buffers alike: the CPU pool is a head-major view), already holding the new tokens' K/V; req_to_token [R, L] int64; req_rows, prefix_lens, extend_lens [B]
 // int64 (CPU). Returns [T, Hq, D] in q's dtype.
 template <typename Chunk>
 at::Tensor attention_forward(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
@@ -323,9 +325,11 @@ at::Tensor attention_forward(const at::Tensor& q, const at::Tensor& k_buf, const
               "multiple of 8 and at most ", MAX_D, ", got ", D);
   TORCH_CHECK(Hq % Hkv == 0 && Hq / Hkv <= MAX_GROUP, "query heads (", Hq, ") must be a "
               "multiple of the KV heads (", Hkv, "), at most ", MAX_GROUP, " per KV head");
-  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == D && k_buf.is_contiguous() &&
-              v_buf.is_contiguous() &&
-              req_to_token.is_contiguous(), "inputs must be contiguous");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == D && req_to_token.is_contiguous(),
+              "q's rows and req_to_token must be contiguous");
+  TORCH_CHECK(k_buf.stride(2) == 1 && k_buf.strides() == v_buf.strides(), "the K/V buffers "
+              "must have contiguous head rows and the same strides, got ", k_buf.strides(),
+              " and ", v_buf.strides());
   TORCH_CHECK(req_to_token.scalar_type() == at::kLong, "req_to_token must be int64");
   TORCH_CHECK(k_buf.scalar_type() == v_buf.scalar_type(), "K and V buffers differ in dtype");
   auto to_vec = [](const at::Tensor& t) {

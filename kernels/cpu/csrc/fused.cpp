@@ -108,18 +108,22 @@ void rope_store(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, i
     // K/V go to the pool as they are, or rounded to it (float32 -> bfloat16: nearest even,
     // as Tensor.to) or widened (bfloat16 -> float32, exact) when its dtype differs
     const auto kv_type = k_buf.scalar_type();
+    // one head row of D at a time: the pool may be a head-major view (strides from the tensor)
+    const int64_t slot_stride = k_buf.stride(0), head_stride = k_buf.stride(1);
     auto store = [&](const scalar_t* src, at::Tensor& buf, int64_t slot) {
-      const int64_t n = num_kv * D, off = slot * n;
-      if (kv_type == qkv.scalar_type()) {
-        std::copy(src, src + n, buf.data_ptr<scalar_t>() + off);
-      } else if (kv_type == at::kBFloat16) {
-        c10::BFloat16* dst = buf.data_ptr<c10::BFloat16>() + off;
-        int64_t i = 0;
-        for (; i + 8 <= n; i += 8) store8(dst + i, load8(src + i));
-        for (; i < n; ++i) dst[i] = static_cast<c10::BFloat16>(f(src[i]));
-      } else {
-        float* dst = buf.data_ptr<float>() + off;
-        for (int64_t i = 0; i < n; ++i) dst[i] = f(src[i]);
+      for (int64_t h = 0; h < num_kv; ++h, src += D) {
+        const int64_t off = slot * slot_stride + h * head_stride;
+        if (kv_type == qkv.scalar_type()) {
+          std::copy(src, src + D, buf.data_ptr<scalar_t>() + off);
+        } else if (kv_type == at::kBFloat16) {
+          c10::BFloat16* dst = buf.data_ptr<c10::BFloat16>() + off;
+          int64_t i = 0;
+          for (; i + 8 <= D; i += 8) store8(dst + i, load8(src + i));
+          for (; i < D; ++i) dst[i] = static_cast<c10::BFloat16>(f(src[i]));
+        } else {
+          float* dst = buf.data_ptr<float>() + off;
+          for (int64_t i = 0; i < D; ++i) dst[i] = f(src[i]);
+        }
       }
     };
     const int64_t width = (num_q + 2 * num_kv) * D;

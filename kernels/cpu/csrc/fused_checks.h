@@ -17,7 +17,8 @@ inline void check_rows(const at::Tensor& x, const at::Tensor& w) {
 }
 
 // qkv [T, (num_q + 2 num_kv) * head_dim] contiguous; cos, sin [T, head_dim] in qkv's dtype;
-// k_buf, v_buf [C, num_kv, head_dim] contiguous, float32 or bfloat16 (or qkv's dtype); loc
+// k_buf, v_buf [C, num_kv, head_dim] with contiguous head rows and the same strides (the CPU
+// pool is a view of head-major storage), float32 or bfloat16 (or qkv's dtype); loc
 // [T] int64 slots inside the pool. Raises c10::Error naming the argument; returns loc made
 // contiguous.
 inline at::Tensor check_rope_store(const at::Tensor& qkv, const at::Tensor& cos,
@@ -35,9 +36,10 @@ inline at::Tensor check_rope_store(const at::Tensor& qkv, const at::Tensor& cos,
   TORCH_CHECK(k_buf.scalar_type() == v_buf.scalar_type() &&
               (k_buf.scalar_type() == qkv.scalar_type() || k_buf.scalar_type() == at::kFloat ||
                k_buf.scalar_type() == at::kBFloat16) &&
-              k_buf.is_contiguous() && v_buf.is_contiguous() && k_buf.size(1) == num_kv &&
-              k_buf.size(2) == D, "the KV buffers must be contiguous [C, num_kv, head_dim], "
-              "both in qkv's dtype, float32 or bfloat16");
+              k_buf.stride(2) == 1 && k_buf.strides() == v_buf.strides() &&
+              k_buf.size(1) == num_kv && k_buf.size(2) == D, "the KV buffers must be [C, "
+              "num_kv, head_dim] with contiguous head rows and the same strides, both in qkv's "
+              "dtype, float32 or bfloat16");
   TORCH_CHECK(loc.numel() == T && loc.scalar_type() == at::kLong, "loc must be [T] int64");
   TORCH_CHECK(D % 2 == 0, "head_dim must be even");
   auto lc = loc.contiguous();

@@ -133,6 +133,7 @@ void rope_store(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, i
       sgl_cpu::check_rope_store(qkv, cos, sin, num_q, num_kv, head_dim, k_buf, v_buf, loc);
   const int64_t T = qkv.size(0), D = head_dim, half = D / 2, width = (num_q + 2 * num_kv) * D;
   const int64_t* lp = lc.data_ptr<int64_t>();
+  const int64_t slot_stride = k_buf.stride(0), head_stride = k_buf.stride(1);
   auto run = [&](auto* p, auto* kp, auto* vp, auto native) {
     using T_ = std::remove_pointer_t<decltype(p)>;
     using KV = std::remove_pointer_t<decltype(kp)>;
@@ -166,16 +167,17 @@ void rope_store(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, i
             sgl_cpu::store16_as<NATIVE>(x + i + half, _mm512_add_ps(b_cos, a_sin), m);
           }
         }
-        // K and V to the pool: as they are, rounded to nearest even or widened (exact)
-        const int64_t n = num_kv * D;
-        for (int which = 0; which < 2; ++which) {
-          const T_* src = row + (num_q + which * num_kv) * D;
-          KV* dst = (which ? vp : kp) + lp[t] * n;
-          for (int64_t i = 0; i < n; i += 16) {
-            const __mmask16 m = sgl_cpu::lanes(n - i);
-            sgl_cpu::store16(dst + i, load16(src + i, m), m);
+        // K and V to the pool, a head row at a time (the pool may be a head-major view): as
+        // they are, rounded to nearest even or widened (exact)
+        for (int which = 0; which < 2; ++which)
+          for (int64_t h = 0; h < num_kv; ++h) {
+            const T_* src = row + (num_q + which * num_kv + h) * D;
+            KV* dst = (which ? vp : kp) + lp[t] * slot_stride + h * head_stride;
+            for (int64_t i = 0; i < D; i += 16) {
+              const __mmask16 m = sgl_cpu::lanes(D - i);
+              sgl_cpu::store16(dst + i, load16(src + i, m), m);
+            }
           }
-        }
       }
     });
   };
