@@ -23,7 +23,7 @@ fresh pool hands a long prompt); slot-major, it read 128 of every 384 bytes (Smo
 of 64). 2-core Zen 4, 2026-11-28, decode attention over 30 layers' bf16 pools from DRAM,
 alternated five times: 1 x (4096 + 1) in slot order 0.127-0.142 -> 0.111-0.116 ms a layer,
 16 x (512 + 1) 0.251-0.282 -> 0.222-0.252; shuffled slots unchanged (0.105-0.123). CUDA pools
-stay slot-major (the Triton and FlashInfer kernels take contiguous [C, H, D]).
+stay slot-major (FlashInfer's paged kernels take contiguous [C, H, D] pages).
 
 The free list is last in, first out: freed slots are the next ones handed out, so the slots in
 use stay few and recently written ones, still in the CPU caches. (Before the pool was written

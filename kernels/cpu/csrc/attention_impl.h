@@ -255,9 +255,8 @@ void run(const at::Tensor& q, const at::Tensor& kbuf, const at::Tensor& vbuf,
     // 0.092-0.098, 0.231-0.236 -> 0.194-0.221); 64 or 128 positions were no better.
     if (w + 1 < static_cast<int64_t>(items.size())) {
       const Item& nx = items[w + 1];
-      const int64_t lo = std::max(tok_lo[nx.first], nx.part * PART);
-      const int64_t hi = std::min({tok_pos[nx.first + nx.rows - 1] + 1, (nx.part + 1) * PART,
-                                   lo + AHEAD});
+      const auto [lo, end] = item_span(nx, tok_pos, tok_lo);
+      const int64_t hi = std::min(end, lo + AHEAD);
       const int64_t* nslots = table + seq_rows[nx.seq] * L;
       const KV *nkp = kp + nx.head * head_stride, *nvp = vp + nx.head * head_stride;
       for (int64_t p = lo; p < hi; ++p) {
@@ -330,8 +329,9 @@ void run(const at::Tensor& q, const at::Tensor& kbuf, const at::Tensor& vbuf,
 
 // q [T, Hq, D] float32/bfloat16 (rows may be strided: a view into a fused qkv); k_buf, v_buf
 // [C, Hkv, D] float32/bfloat16 with contiguous head rows, in any slot / head strides (both
-// buffers alike: the CPU pool is a head-major view), already holding the new tokens' K/V; req_to_token [R, L] int64; req_rows, prefix_lens, extend_lens [B]
-// int64 (CPU). Returns [T, Hq, D] in q's dtype.
+// buffers alike: the CPU pool is a head-major view), already holding the new tokens' K/V;
+// req_to_token [R, L] int64; req_rows, prefix_lens, extend_lens [B] int64 (CPU). Returns
+// [T, Hq, D] in q's dtype.
 template <typename Chunk>
 at::Tensor attention_forward(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
                      const at::Tensor& req_to_token, const at::Tensor& req_rows,

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <memory>
+#include <utility>
 #include <vector>
 
 namespace sgl_cpu {
@@ -22,6 +23,15 @@ constexpr int64_t PART = 512;  // positions per partition (one work item)
 struct Item {
   int64_t seq, first, rows, part, head;  // tokens [first, first + rows) of sequence seq
 };
+
+// The positions [first, second) that item `it` attends to in its partition: from its first
+// token's window start to its last token's position, within the partition.
+inline std::pair<int64_t, int64_t> item_span(const Item& it,
+                                             const std::vector<int64_t>& tok_pos,
+                                             const std::vector<int64_t>& tok_lo) {
+  return {std::max(tok_lo[it.first], it.part * PART),
+          std::min(tok_pos[it.first + it.rows - 1] + 1, (it.part + 1) * PART)};
+}
 
 // Contiguous ranges of `items`, one per thread, of about equal estimated cost: bounds[i] ..
 // bounds[i + 1]. An item's cost is the positions it spans times (TRANSPOSE_UNITS + its units),
@@ -38,11 +48,8 @@ std::vector<int64_t> split_by_cost(const std::vector<Item>& items,
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
   std::vector<int64_t> cum(n + 1, 0);
   for (int64_t i = 0; i < n; ++i) {
-    const Item& it = items[i];
-    const int64_t last = it.first + it.rows - 1;
-    const int64_t a = std::max(tok_lo[it.first], it.part * PART);
-    const int64_t e = std::min(tok_pos[last] + 1, (it.part + 1) * PART);
-    cum[i + 1] = cum[i] + std::max<int64_t>(e - a, 1) * (TRANSPOSE_UNITS + it.rows * group);
+    const auto [a, e] = item_span(items[i], tok_pos, tok_lo);
+    cum[i + 1] = cum[i] + std::max<int64_t>(e - a, 1) * (TRANSPOSE_UNITS + items[i].rows * group);
   }
   std::vector<int64_t> bounds(threads + 1, n);
   bounds[0] = 0;
