@@ -6,7 +6,11 @@
 // program, not part of the server:
 //
 //   g++ -O3 -march=native -fopenmp benchmarks/kv_stream.cpp -o /tmp/kv_stream
-//   OMP_NUM_THREADS=2 OMP_PROC_BIND=true /tmp/kv_stream
+//   OMP_NUM_THREADS=2 OMP_PROC_BIND=true /tmp/kv_stream [head-major]
+//
+// head-major: the pools as server/cache/kv_pool.py lays them out on a CPU since 2026-11-28
+// ([3 KV heads, 4,097 slots, 64]: a head's rows of consecutive slots are contiguous); the
+// whole-row orders need slot-major pools and are left out.
 //
 // Orders (each thread a contiguous range of the work, as the kernel's run_items):
 //   plain read          each thread half of each pool, in address order (torch.sum's)
@@ -19,12 +23,21 @@
 //   weights alone       the layer's weights, each thread half in order
 //   K/V then weights    per head, prefetch; then the layer's weights read in order
 //   weights interleaved per head, prefetch, with ~2.8 weight lines loaded per position
-// 2026-11-28, 2-core AMD EPYC Zen 4 (family 19h), GB/s in a slow / a fast minute: plain 29-35 /
+//   chunk order         the decode chunk kernel's (csrc_vnni/attention_bf16.cpp): per 32-position
+//                       chunk, each 16-row half's K rows prefetched 32 positions ahead, then
+//                       read a line of every row at a time; then the chunk's V rows in pairs
+//   chunk order, no prefetch   the same without the software prefetch
+// 2026-11-28, 2-core AMD EPYC Zen 4 (family 19h), slot-major, GB/s in a slow / a fast minute: plain 29-35 /
 // 47-52; per head with prefetch 22-24 / 32-33, without 21-22 / 26-27; whole rows 32-39 / 54-66;
 // touch + heads inner 29-33 / 40-44; prefetch + heads inner 25-28 / 34-37; ms a layer for K/V
 // then weights 0.169-0.188 / 0.125-0.134 against weights interleaved 0.167-0.193 /
 // 0.111-0.113. The hardware prefetchers follow ascending demand loads, which software
 // prefetches do not train. In the kernel neither lever carried over (docs/kernels.md).
+// 2026-11-29, the same machine, head-major, six rounds (GB/s; one slow round aside, plain read
+// 34-38): per head 36-40 with or without the prefetch; chunk order 32-33 with or without it
+// (0.83-0.90 of per head in the same round). In the kernel itself, where each chunk's arithmetic
+// sits between its loads, the software prefetch is what keeps the stream going: without it a
+// 1 x (4096 + 1) decode from DRAM took 0.18 ms a layer against 0.097 (docs/kernels.md).
 #include <immintrin.h>
 #include <omp.h>
 
@@ -42,13 +55,23 @@ constexpr int64_t ROW = HEADS * D * 2, HEAD_BYTES = D * 2;  // bytes of a row, o
 constexpr int64_t WEIGHT_BYTES = 2200 * 1024;
 char *k_pool[LAYERS], *v_pool[LAYERS], *weights[LAYERS];
 volatile float sink;
+bool head_major = false;
+
+// Head h's part of slot `slot`'s row in a pool, slot-major [N + 1, HEADS, D] or head-major
+// [HEADS, N + 1, D].
+inline const char* head_row(const char* pool, int64_t slot, int h) {
+  return head_major ? pool + (h * static_cast<int64_t>(N + 1) + slot) * HEAD_BYTES
+                    : pool + slot * ROW + h * HEAD_BYTES;
+}
 
 enum Order {
-  PLAIN, PER_HEAD_PF, PER_HEAD, WHOLE_ROWS, TOUCH_INNER, PF_INNER, WEIGHTS, THEN_W, WITH_W, ORDERS
+  PLAIN, PER_HEAD_PF, PER_HEAD, WHOLE_ROWS, TOUCH_INNER, PF_INNER, WEIGHTS, THEN_W, WITH_W,
+  CHUNK_PF, CHUNK_NO_PF, ORDERS
 };
 const char* NAMES[ORDERS] = {"plain read", "per head, prefetch", "per head", "whole rows",
                              "touch, heads inner", "prefetch, heads inner", "weights alone",
-                             "K/V then weights", "weights interleaved"};
+                             "K/V then weights", "weights interleaved", "chunk order",
+                             "chunk order, no prefetch"};
 
 inline __m512 load(const char* p) { return _mm512_castsi512_ps(_mm512_loadu_si512(p)); }
 
@@ -71,12 +94,12 @@ void per_head(const char* K, const char* V, const char* W, int t, int nt, bool p
     for (int p = part * PART; p < end; ++p, ++visited) {
       if (pf && p + AHEAD < end)
         for (const char* base : {K, V}) {
-          const char* a = base + (p + AHEAD) * ROW + h * HEAD_BYTES;
+          const char* a = head_row(base, p + 1 + AHEAD, h);
           _mm_prefetch(a, _MM_HINT_T1);
           _mm_prefetch(a + 64, _MM_HINT_T1);
         }
-      read_span(K + p * ROW + h * HEAD_BYTES, HEAD_BYTES, acc);
-      read_span(V + p * ROW + h * HEAD_BYTES, HEAD_BYTES, acc);
+      read_span(head_row(K, p + 1, h), HEAD_BYTES, acc);
+      read_span(head_row(V, p + 1, h), HEAD_BYTES, acc);
       if (with_w) {
         const int64_t due = w_half * (visited + 1) / positions / 64 * 64;
         read_span(w + w_done, due - w_done, acc);
@@ -87,14 +110,44 @@ void per_head(const char* K, const char* V, const char* W, int t, int nt, bool p
   if (with_w) read_span(w + w_done, w_half - w_done, acc);
 }
 
-// Items of a partition's every head on thread t: per chunk, whole rows in order (WHOLE_ROWS),
-// or the chunk's rows touched whole (TOUCH_INNER) or prefetched (PF_INNER) and then read head
-// by head, K then V.
+// The decode chunk kernel's order on thread t: per item and chunk, each 16-row half's K rows
+// (pf: the rows 32 positions on prefetched into L2 first) a 64-byte line of every row at a
+// time, as its in-register transposes load them; then the chunk's V rows in pairs, line by line.
+void chunk_order(const char* K, const char* V, int t, int nt, bool pf, __m512& acc) {
+  const int items = N / PART * HEADS, per = items / nt;
+  for (int i = t * per; i < (t + 1) * per; ++i) {
+    const int part = i / HEADS, h = i % HEADS, end = (part + 1) * PART;
+    for (int c = part * PART; c < end; c += CHUNK) {
+      for (int j0 = c; j0 < c + CHUNK; j0 += 16) {
+        for (int j = j0; pf && j < j0 + 16; ++j)
+          if (j + AHEAD < end)
+            for (int line = 0; line < 2; ++line)
+              _mm_prefetch(head_row(K, j + 1 + AHEAD, h) + 64 * line, _MM_HINT_T1);
+        for (int line = 0; line < 2; ++line)
+          for (int j = j0; j < j0 + 16; ++j)
+            acc = _mm512_add_ps(acc, load(head_row(K, j + 1, h) + 64 * line));
+      }
+      for (int j = c; j < c + CHUNK; j += 2) {
+        for (int jj = j; pf && jj < j + 2; ++jj)
+          if (jj + AHEAD < end)
+            for (int line = 0; line < 2; ++line)
+              _mm_prefetch(head_row(V, jj + 1 + AHEAD, h) + 64 * line, _MM_HINT_T1);
+        for (int line = 0; line < 2; ++line)
+          for (int jj = j; jj < j + 2; ++jj)
+            acc = _mm512_add_ps(acc, load(head_row(V, jj + 1, h) + 64 * line));
+      }
+    }
+  }
+}
+
+// Items of a partition's every head on thread t (slot-major pools only): per chunk, whole rows
+// in order (WHOLE_ROWS), or the chunk's rows touched whole (TOUCH_INNER) or prefetched
+// (PF_INNER) and then read head by head, K then V.
 void all_heads(const char* K, const char* V, int t, int nt, Order order, __m512& acc) {
   const int per = N / PART / nt;
   __m512 touched = _mm512_setzero_ps();
   for (int c = t * per * PART; c < (t + 1) * per * PART; c += CHUNK) {
-    const char *kc = K + c * ROW, *vc = V + c * ROW;
+    const char *kc = K + (c + 1) * ROW, *vc = V + (c + 1) * ROW;  // slot c + 1: position c
     if (order == WHOLE_ROWS) {
       read_span(kc, CHUNK * ROW, acc);
       read_span(vc, CHUNK * ROW, acc);
@@ -113,7 +166,7 @@ void all_heads(const char* K, const char* V, int t, int nt, Order order, __m512&
 }
 
 float run(Order order, int l) {
-  const char *K = k_pool[l] + ROW, *V = v_pool[l] + ROW;  // slots 1 .. N (0 is padding)
+  const char *K = k_pool[l], *V = v_pool[l];  // slots 1 .. N hold positions 0 .. N - 1
   float total = 0;
 #pragma omp parallel reduction(+ : total)
   {
@@ -121,10 +174,13 @@ float run(Order order, int l) {
     __m512 acc = _mm512_setzero_ps();
     switch (order) {
       case PLAIN:
-        for (const char* base : {K, V}) read_span(base + t * (N * ROW / nt), N * ROW / nt, acc);
+        for (const char* base : {K, V}) read_span(base + ROW + t * (N * ROW / nt), N * ROW / nt, acc);
         break;
       case WEIGHTS:
         read_span(weights[l] + t * (WEIGHT_BYTES / nt), WEIGHT_BYTES / nt, acc);
+        break;
+      case CHUNK_PF: case CHUNK_NO_PF:
+        chunk_order(K, V, t, nt, order == CHUNK_PF, acc);
         break;
       case PER_HEAD_PF: case PER_HEAD: case THEN_W: case WITH_W:
         per_head(K, V, weights[l], t, nt, order != PER_HEAD, order == WITH_W, acc);
@@ -145,7 +201,8 @@ double now() {
 
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
+  head_major = argc > 1 && std::strcmp(argv[1], "head-major") == 0;
   const int64_t pool_bytes = static_cast<int64_t>(N + 1) * ROW;
   for (int l = 0; l < LAYERS; ++l) {  // written once, so every page is resident
     k_pool[l] = static_cast<char*>(std::aligned_alloc(64, pool_bytes));
@@ -155,11 +212,13 @@ int main() {
     std::memset(v_pool[l], 1, pool_bytes);
     std::memset(weights[l], 1, WEIGHT_BYTES);
   }
-  std::printf("%d layers x 2 x %d positions x %lld B rows (+ %.1f MB weights a layer where read)\n",
-              LAYERS, N, static_cast<long long>(ROW), WEIGHT_BYTES / 1e6);
+  std::printf("%d layers x 2 x %d positions x %lld B rows, %s (+ %.1f MB weights a layer where "
+              "read)\n", LAYERS, N, static_cast<long long>(ROW),
+              head_major ? "head-major" : "slot-major", WEIGHT_BYTES / 1e6);
   for (int round = 0; round < 3; ++round) {  // rounds: the machine's bandwidth drifts
     for (int o = 0; o < ORDERS; ++o) {
       const Order order = static_cast<Order>(o);
+      if (head_major && (order == WHOLE_ROWS || order == TOUCH_INNER || order == PF_INNER)) continue;
       double best = 1e9;
       for (int rep = 0; rep < 5; ++rep) {
         const double a = now();
@@ -168,8 +227,8 @@ int main() {
         sink = s;
         best = std::min(best, (now() - a) / LAYERS);
       }
-      const double bytes = (order == WEIGHTS ? 0 : 2.0 * N * ROW) +
-                           (order >= WEIGHTS ? WEIGHT_BYTES : 0);
+      const bool w = order == WEIGHTS || order == THEN_W || order == WITH_W;
+      const double bytes = (order == WEIGHTS ? 0.0 : 2.0 * N * ROW) + (w ? WEIGHT_BYTES : 0);
       std::printf("%-22s %.3f ms a layer  %5.1f GB/s\n", NAMES[o], best * 1e3, bytes / best / 1e9);
     }
     std::printf("\n");
