@@ -110,32 +110,27 @@ void per_head(const char* K, const char* V, const char* W, int t, int nt, bool p
   if (with_w) read_span(w + w_done, w_half - w_done, acc);
 }
 
-// The decode chunk kernel's order on thread t: per item and chunk, each 16-row half's K rows
-// (pf: the rows 32 positions on prefetched into L2 first) a 64-byte line of every row at a
-// time, as its in-register transposes load them; then the chunk's V rows in pairs, line by line.
+// Rows [j0, j0 + n) of head h of a pool (positions; slot = position + 1) read a 64-byte line
+// of every row at a time, as the chunk kernel's in-register transposes and V pairs load them,
+// after (pf) prefetching into L2 the rows AHEAD positions on that lie before `end`.
+void rows_by_line(const char* pool, int j0, int n, int end, int h, bool pf, __m512& acc) {
+  for (int j = j0; pf && j < j0 + n; ++j)
+    if (j + AHEAD < end)
+      for (int line = 0; line < 2; ++line)
+        _mm_prefetch(head_row(pool, j + 1 + AHEAD, h) + 64 * line, _MM_HINT_T1);
+  for (int line = 0; line < 2; ++line)
+    for (int j = j0; j < j0 + n; ++j) acc = _mm512_add_ps(acc, load(head_row(pool, j + 1, h) + 64 * line));
+}
+
+// The decode chunk kernel's order on thread t: per item and chunk, each 16-row half's K rows,
+// then the chunk's V rows in pairs (rows_by_line).
 void chunk_order(const char* K, const char* V, int t, int nt, bool pf, __m512& acc) {
   const int items = N / PART * HEADS, per = items / nt;
   for (int i = t * per; i < (t + 1) * per; ++i) {
     const int part = i / HEADS, h = i % HEADS, end = (part + 1) * PART;
     for (int c = part * PART; c < end; c += CHUNK) {
-      for (int j0 = c; j0 < c + CHUNK; j0 += 16) {
-        for (int j = j0; pf && j < j0 + 16; ++j)
-          if (j + AHEAD < end)
-            for (int line = 0; line < 2; ++line)
-              _mm_prefetch(head_row(K, j + 1 + AHEAD, h) + 64 * line, _MM_HINT_T1);
-        for (int line = 0; line < 2; ++line)
-          for (int j = j0; j < j0 + 16; ++j)
-            acc = _mm512_add_ps(acc, load(head_row(K, j + 1, h) + 64 * line));
-      }
-      for (int j = c; j < c + CHUNK; j += 2) {
-        for (int jj = j; pf && jj < j + 2; ++jj)
-          if (jj + AHEAD < end)
-            for (int line = 0; line < 2; ++line)
-              _mm_prefetch(head_row(V, jj + 1 + AHEAD, h) + 64 * line, _MM_HINT_T1);
-        for (int line = 0; line < 2; ++line)
-          for (int jj = j; jj < j + 2; ++jj)
-            acc = _mm512_add_ps(acc, load(head_row(V, jj + 1, h) + 64 * line));
-      }
+      for (int j0 = c; j0 < c + CHUNK; j0 += 16) rows_by_line(K, j0, 16, end, h, pf, acc);
+      for (int j = c; j < c + CHUNK; j += 2) rows_by_line(V, j, 2, end, h, pf, acc);
     }
   }
 }
