@@ -27,6 +27,10 @@
 //                       chunk, each 16-row half's K rows prefetched 32 positions ahead, then
 //                       read a line of every row at a time; then the chunk's V rows in pairs
 //   chunk order, no prefetch   the same without the software prefetch
+//   weights then chunk order   the layer's weights, then its K/V in chunk order (a decode
+//                       step's order: the linears, then the attention)
+//   K/V prefetched under weights  the same, with each thread's share of the K/V prefetched
+//                       into L2 while its weight half streams (a line or two a weight line)
 // 2026-11-28, 2-core AMD EPYC Zen 4 (family 19h), slot-major, GB/s in a slow / a fast minute: plain 29-35 /
 // 47-52; per head with prefetch 22-24 / 32-33, without 21-22 / 26-27; whole rows 32-39 / 54-66;
 // touch + heads inner 29-33 / 40-44; prefetch + heads inner 25-28 / 34-37; ms a layer for K/V
@@ -37,7 +41,10 @@
 // 34-38): per head 36-40 with or without the prefetch; chunk order 32-33 with or without it
 // (0.83-0.90 of per head in the same round). In the kernel itself, where each chunk's arithmetic
 // sits between its loads, the software prefetch is what keeps the stream going: without it a
-// 1 x (4096 + 1) decode from DRAM took 0.18 ms a layer against 0.097 (docs/kernels.md).
+// 1 x (4096 + 1) decode from DRAM took 0.18 ms a layer against 0.097 (docs/kernels.md). A
+// layer's weights then its K/V in chunk order 0.163-0.173 ms a layer (31-33 GB/s, the plain
+// read 29-36 in the same runs); with the K/V prefetched under the weights 0.190-0.197: fetching
+// the next attention's K/V while the linears stream does not pay on this class.
 #include <immintrin.h>
 #include <omp.h>
 
@@ -66,12 +73,13 @@ inline const char* head_row(const char* pool, int64_t slot, int h) {
 
 enum Order {
   PLAIN, PER_HEAD_PF, PER_HEAD, WHOLE_ROWS, TOUCH_INNER, PF_INNER, WEIGHTS, THEN_W, WITH_W,
-  CHUNK_PF, CHUNK_NO_PF, ORDERS
+  CHUNK_PF, CHUNK_NO_PF, W_THEN_CHUNK, W_PF_KV, ORDERS
 };
 const char* NAMES[ORDERS] = {"plain read", "per head, prefetch", "per head", "whole rows",
                              "touch, heads inner", "prefetch, heads inner", "weights alone",
                              "K/V then weights", "weights interleaved", "chunk order",
-                             "chunk order, no prefetch"};
+                             "chunk order, no prefetch", "weights then chunk order",
+                             "K/V prefetched under weights"};
 
 inline __m512 load(const char* p) { return _mm512_castsi512_ps(_mm512_loadu_si512(p)); }
 
@@ -135,6 +143,25 @@ void chunk_order(const char* K, const char* V, int t, int nt, bool pf, __m512& a
   }
 }
 
+// Thread t's weight half, with (pf) its chunk-order share of the K/V rows prefetched into L2
+// spread over the weight lines (a K/V line or two after each weight line), as a linear layer's
+// loop could fetch the next attention's K/V while the weights stream.
+void weights_pf_kv(const char* W, const char* K, const char* V, int t, int nt, bool pf,
+                   __m512& acc) {
+  const int per = N / PART * HEADS / nt;
+  const int64_t kv_lines = static_cast<int64_t>(per) * PART * 4, w_lines = WEIGHT_BYTES / nt / 64;
+  const char* w = W + t * (WEIGHT_BYTES / nt);
+  int64_t next = 0;
+  for (int64_t i = 0; i < w_lines; ++i) {
+    acc = _mm512_add_ps(acc, load(w + 64 * i));
+    for (const int64_t due = pf ? kv_lines * (i + 1) / w_lines : 0; next < due; ++next) {
+      const int64_t r = next / 4, item = t * per + r / PART;  // 4 lines a position: K, V
+      const int pos = static_cast<int>(item / HEADS * PART + r % PART), h = item % HEADS;
+      _mm_prefetch(head_row(next % 4 < 2 ? K : V, pos + 1, h) + 64 * (next % 2), _MM_HINT_T1);
+    }
+  }
+}
+
 // Items of a partition's every head on thread t (slot-major pools only): per chunk, whole rows
 // in order (WHOLE_ROWS), or the chunk's rows touched whole (TOUCH_INNER) or prefetched
 // (PF_INNER) and then read head by head, K then V.
@@ -176,6 +203,10 @@ float run(Order order, int l) {
         break;
       case CHUNK_PF: case CHUNK_NO_PF:
         chunk_order(K, V, t, nt, order == CHUNK_PF, acc);
+        break;
+      case W_THEN_CHUNK: case W_PF_KV:
+        weights_pf_kv(weights[l], K, V, t, nt, order == W_PF_KV, acc);
+        chunk_order(K, V, t, nt, true, acc);
         break;
       case PER_HEAD_PF: case PER_HEAD: case THEN_W: case WITH_W:
         per_head(K, V, weights[l], t, nt, order != PER_HEAD, order == WITH_W, acc);
@@ -222,7 +253,8 @@ int main(int argc, char** argv) {
         sink = s;
         best = std::min(best, (now() - a) / LAYERS);
       }
-      const bool w = order == WEIGHTS || order == THEN_W || order == WITH_W;
+      const bool w = order == WEIGHTS || order == THEN_W || order == WITH_W ||
+                     order == W_THEN_CHUNK || order == W_PF_KV;
       const double bytes = (order == WEIGHTS ? 0.0 : 2.0 * N * ROW) + (w ? WEIGHT_BYTES : 0);
       std::printf("%-22s %.3f ms a layer  %5.1f GB/s\n", NAMES[o], best * 1e3, bytes / best / 1e9);
     }
