@@ -196,9 +196,12 @@ def long_context(args, device: str, texts: list[str], read_gbs: float | None) ->
     read bandwidth, however well the rest overlaps with the reads. (The best of the run,
     because a shared machine's bandwidth drifts by 1.5x within minutes: a bound from one
     reading taken in a slow minute would understate what the rates measured in a fast one
-    allow.)"""
+    allow.) A second bound takes the step as it runs, its K/V read after the rest of the step
+    (the linears): the first length's step plus the extra K/V at the best read bandwidth, the
+    most a step can reach unless its K/V stream overlaps its weight stream (on a 2-core Zen 4
+    prefetching the K/V under the weights made the two 15% slower: benchmarks/kv_stream.cpp)."""
     lengths = [int(v) for v in args.context_lengths.split(",")]
-    rows, floors = [], []  # floors: per row, (the first length's rate, weight + KV bytes)
+    rows, floors = [], []  # per row: the first length's rate and KV bytes, weight + KV bytes
     reads = [read_gbs] if read_gbs else []
     for kv_dtype in args.kv_cache_dtypes.split(","):
         engine = Engine(args.model, device=device, kv_cache_dtype=kv_dtype,
@@ -209,7 +212,7 @@ def long_context(args, device: str, texts: list[str], read_gbs: float | None) ->
         joined = "\n\n".join(texts)
         while len(engine.encode(joined)) < max(lengths):
             joined += "\n\n" + joined
-        first = None
+        first, first_kv = None, 0
         for i, n in enumerate(lengths):
             prompt = make_prompts(engine, [f"{i}\n" + joined], n, 1)[0]
             run_engine(engine, [prompt], 4)  # warm-up at this length
@@ -222,20 +225,24 @@ def long_context(args, device: str, texts: list[str], read_gbs: float | None) ->
                     reads.append(read_bandwidth())
             first = first or rate
             kv_bytes = n * engine.kv_pool.bytes_per_token()
-            floors.append((first, weight_bytes(engine) + kv_bytes))
+            first_kv = first_kv or kv_bytes
+            floors.append((first, first_kv, kv_bytes, weight_bytes(engine) + kv_bytes))
             rows.append([engine.config.model.dtype, engine.config.model.kv_cache_dtype, str(n),
                          f"{kv_bytes / 1e6:.0f}", f"{rate:.1f}", f"{rate / first:.2f}"])
         attention = engine.runner.attention.name
         del engine
         gc.collect()
-    for row, (first, floor_bytes) in zip(rows, floors):
-        row.append(f"{min(1.0, max(reads) * 1e9 / (first * floor_bytes)):.2f}" if reads else "")
+    for row, (first, first_kv, kv_bytes, floor_bytes) in zip(rows, floors):
+        bw = max(reads) * 1e9 if reads else 0.0
+        row.append(f"{min(1.0, bw / (first * floor_bytes)):.2f}" if reads else "")
+        row.append(f"{1 / (1 + first * (kv_bytes - first_kv) / bw):.2f}" if reads else "")
     print(f"\nOne stream, {args.new_tokens} new tokens after a prompt of N tokens, the best of "
           f"{args.repeats} runs (attention {attention})"
           + (f"; read bandwidth {min(reads):.1f}-{max(reads):.1f} GB/s over the runs, the "
              "bound at its best:" if reads else ":"))
     print_table(["dtype", "KV dtype", "prompt tokens", "KV MB a step", "decode tok/s",
-                 "vs the first", "bound at the read bandwidth"], rows)
+                 "vs the first", "bound at the read bandwidth",
+                 "bound, K/V after the rest"], rows)
 
 
 def main() -> None:
