@@ -31,12 +31,12 @@
 //                       step's order: the linears, then the attention)
 //   K/V prefetched under weights  the same, with each thread's share of the K/V prefetched
 //                       into L2 while its weight half streams (a line or two a weight line)
-// 2026-11-28, 2-core AMD EPYC Zen 4 (family 19h), slot-major, GB/s in a slow / a fast minute: plain 29-35 /
-// 47-52; per head with prefetch 22-24 / 32-33, without 21-22 / 26-27; whole rows 32-39 / 54-66;
-// touch + heads inner 29-33 / 40-44; prefetch + heads inner 25-28 / 34-37; ms a layer for K/V
-// then weights 0.169-0.188 / 0.125-0.134 against weights interleaved 0.167-0.193 /
-// 0.111-0.113. The hardware prefetchers follow ascending demand loads, which software
-// prefetches do not train. In the kernel neither lever carried over (docs/kernels.md).
+// 2026-11-28, 2-core AMD EPYC Zen 4 (family 19h), slot-major, GB/s in a slow / a fast minute:
+// plain 29-35 / 47-52; per head with prefetch 22-24 / 32-33, without 21-22 / 26-27; whole rows
+// 32-39 / 54-66; touch + heads inner 29-33 / 40-44; prefetch + heads inner 25-28 / 34-37; ms a
+// layer for K/V then weights 0.169-0.188 / 0.125-0.134 against weights interleaved
+// 0.167-0.193 / 0.111-0.113. The hardware prefetchers follow ascending demand loads, which
+// software prefetches do not train. In the kernel neither lever carried over (docs/kernels.md).
 // 2026-11-29, the same machine, head-major, six rounds (GB/s; one slow round aside, plain read
 // 34-38): per head 36-40 with or without the prefetch; chunk order 32-33 with or without it
 // (0.83-0.90 of per head in the same round). In the kernel itself, where each chunk's arithmetic
