@@ -232,10 +232,10 @@ def long_context(args, device: str, texts: list[str], read_gbs: float | None) ->
         attention = engine.runner.attention.name
         del engine
         gc.collect()
+    bw = max(reads) * 1e9 if reads else 0.0  # bytes/s
     for row, (first, first_kv, kv_bytes, floor_bytes) in zip(rows, floors):
-        bw = max(reads) * 1e9 if reads else 0.0
-        row.append(f"{min(1.0, bw / (first * floor_bytes)):.2f}" if reads else "")
-        row.append(f"{1 / (1 + first * (kv_bytes - first_kv) / bw):.2f}" if reads else "")
+        row += ([f"{min(1.0, bw / (first * floor_bytes)):.2f}",
+                 f"{1 / (1 + first * (kv_bytes - first_kv) / bw):.2f}"] if bw else ["", ""])
     print(f"\nOne stream, {args.new_tokens} new tokens after a prompt of N tokens, the best of "
           f"{args.repeats} runs (attention {attention})"
           + (f"; read bandwidth {min(reads):.1f}-{max(reads):.1f} GB/s over the runs, the "
