@@ -161,8 +161,8 @@ void chunk_blocks(const char* K, const char* V, int t, int nt, __m512& acc) {
     const int part = i / HEADS, h = i % HEADS, end = (part + 1) * PART;
     for (int c = part * PART; c < end; c += CHUNK) {
       for (const char* pool : {K, V}) {
-        if (c + AHEAD < end)
-          for (int64_t o = 0; o < BLOCK; o += 64) _mm_prefetch(head_row(pool, c + 1 + AHEAD, h) + o, _MM_HINT_T1);
+        const char* next = head_row(pool, c + 1 + AHEAD, h);
+        for (int64_t o = 0; c + AHEAD < end && o < BLOCK; o += 64) _mm_prefetch(next + o, _MM_HINT_T1);
         read_span(head_row(pool, c + 1, h), BLOCK, acc);
       }
     }
