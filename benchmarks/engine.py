@@ -199,7 +199,11 @@ def long_context(args, device: str, texts: list[str], read_gbs: float | None) ->
     allow.) A second bound takes the step as it runs, its K/V read after the rest of the step
     (the linears): the first length's step plus the extra K/V at the best read bandwidth, the
     most a step can reach unless its K/V stream overlaps its weight stream (on a 2-core Zen 4
-    prefetching the K/V under the weights made the two 15% slower: benchmarks/kv_stream.cpp)."""
+    prefetching the K/V under the weights made the two 15% slower: benchmarks/kv_stream.cpp).
+    Each row's share of the best read bandwidth (its bytes x rate / bandwidth) and the ratio a
+    runner whose steps all stream at one share would reach, (weight + first KV bytes) / (weight
+    + KV bytes), show how much of a row's ratio the model's bytes allow: a ratio above that one
+    needs the long step to stream at a higher share than the short one."""
     lengths = [int(v) for v in args.context_lengths.split(",")]
     rows, floors = [], []  # per row: the first length's rate and KV bytes, weight + KV bytes
     reads = [read_gbs] if read_gbs else []
@@ -226,23 +230,26 @@ def long_context(args, device: str, texts: list[str], read_gbs: float | None) ->
             first = first or rate
             kv_bytes = n * engine.kv_pool.bytes_per_token()
             first_kv = first_kv or kv_bytes
-            floors.append((first, first_kv, kv_bytes, weight_bytes(engine) + kv_bytes))
+            floors.append((first, rate, first_kv, kv_bytes, weight_bytes(engine) + kv_bytes))
             rows.append([engine.config.model.dtype, engine.config.model.kv_cache_dtype, str(n),
                          f"{kv_bytes / 1e6:.0f}", f"{rate:.1f}", f"{rate / first:.2f}"])
         attention = engine.runner.attention.name
         del engine
         gc.collect()
     bw = max(reads) * 1e9 if reads else 0.0  # bytes/s
-    for row, (first, first_kv, kv_bytes, floor_bytes) in zip(rows, floors):
+    for row, (first, rate, first_kv, kv_bytes, floor_bytes) in zip(rows, floors):
         row += ([f"{min(1.0, bw / (first * floor_bytes)):.2f}",
-                 f"{1 / (1 + first * (kv_bytes - first_kv) / bw):.2f}"] if bw else ["", ""])
+                 f"{1 / (1 + first * (kv_bytes - first_kv) / bw):.2f}",
+                 f"{rate * floor_bytes / bw:.2f}"] if bw else ["", "", ""])
+        row.append(f"{(floor_bytes - kv_bytes + first_kv) / floor_bytes:.2f}")
     print(f"\nOne stream, {args.new_tokens} new tokens after a prompt of N tokens, the best of "
           f"{args.repeats} runs (attention {attention})"
           + (f"; read bandwidth {min(reads):.1f}-{max(reads):.1f} GB/s over the runs, the "
              "bound at its best:" if reads else ":"))
     print_table(["dtype", "KV dtype", "prompt tokens", "KV MB a step", "decode tok/s",
                  "vs the first", "bound at the read bandwidth",
-                 "bound, K/V after the rest"], rows)
+                 "bound, K/V after the rest", "share of the read bandwidth",
+                 "ratio at one share"], rows)
 
 
 def main() -> None:
