@@ -157,7 +157,7 @@ def vnni_pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> 
     zero: [N, K // 32] float32 with ``w = (q - 8) * scale + zero``. Returns
     [ceil(N / 16), K // 32 * 320] uint8: per tile of 16 output features and block of 32
     inputs, 16 fp16 scales d and offsets m (w = d * q + m, the values :func:`pack_int4` keeps)
-    and the nibbles in VNNI order (``csrc_vnni/vnni_linear.cpp``). Raises RuntimeError for bad
+    and the nibbles in VNNI order (``csrc_vnni/packed_layout.h``). Raises RuntimeError for bad
     shapes."""
     require("avx512_vnni")
     return torch.ops.sgl_cpu_vnni.pack_int4(q, scale, zero)

@@ -23,12 +23,7 @@
 // how they are split over accumulators does not matter). A row's result never depends on the
 // other rows of the batch.
 //
-// Packed layouts (one tile = 16 output features; N padded to a multiple of 16 with zeros):
-//   int4: per tile, per block g: 16 fp16 d, 16 fp16 m, then 4 chunks of 64 bytes; in chunk c
-//         byte 4f + j holds q[f][32g + 8c + j] (low nibble) and q[f][32g + 8c + 4 + j] (high
-//         nibble), j = 0..3. 320 bytes per 512 weights (Q4_1's 0.625 bytes per weight).
-//   int8: per tile, per block g: 8 chunks of 64 bytes; in chunk c byte 4f + j holds
-//         u[f][32g + 4c + j] = w + 128.
+// Packed layouts: packed_layout.h (written by vnni_pack.cpp).
 //
 // Compiled with -mavx512f -mavx512bw -mavx512vl -mavx512vnni into its own library
 // (kernels/cpu/build.py), which kernels/cpu/__init__.py loads only on a CPU that has them.
@@ -40,6 +35,7 @@
 
 #include "../csrc/linear_inputs.h"
 #include "../csrc/prefetch.h"
+#include "packed_layout.h"
 #include "quantize_rows.h"
 #include "tile_loops.h"
 #include "vec512.h"
@@ -52,9 +48,6 @@
 namespace sgl_cpu_vnni {
 namespace {
 
-constexpr int64_t TILE = 16;        // output features per tile (one zmm of int32 lanes)
-constexpr int64_t Q4_BLOCK = 320;   // bytes per (tile, block), int4
-constexpr int64_t Q8_BLOCK = 512;   // bytes per (tile, block), int8
 constexpr int64_t PREFETCH = 4;     // weight blocks prefetched ahead of the one computed (into
                                     // L1 or L2: ../csrc/prefetch.h)
 
@@ -255,58 +248,6 @@ at::Tensor run_linear(const at::Tensor& x, int64_t N, int64_t group_of_one_row,
 
 }  // namespace
 
-// q [N, K] uint8 in [0, 15], scale/zero [N, K / 32] float32 with w = (q - 8) * scale + zero
-// -> [ceil(N / 16), K / 32 * 320] uint8 (the int4 layout above; d = fp16(scale),
-// m = fp16(zero - 8 * scale), as sgl_cpu::pack_int4).
-at::Tensor pack_int4(const at::Tensor& q, const at::Tensor& scale, const at::Tensor& zero) {
-  const sgl_cpu::Int4Source src = sgl_cpu::int4_source(q, scale, zero);
-  const int64_t N = src.N, G = src.G, tiles = (N + TILE - 1) / TILE;
-  auto out = at::zeros({tiles, G * Q4_BLOCK}, q.options());
-  uint8_t* op = out.data_ptr<uint8_t>();
-  at::parallel_for(0, tiles, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t t = lo; t < hi; ++t) {
-      for (int64_t g = 0; g < G; ++g) {
-        uint8_t* b = op + (t * G + g) * Q4_BLOCK;
-        for (int64_t f = 0; f < TILE && t * TILE + f < N; ++f) {
-          const auto [hd, hm] = src.dm(t * TILE + f, g);
-          std::memcpy(b + 2 * f, &hd, 2);
-          std::memcpy(b + 32 + 2 * f, &hm, 2);
-          const uint8_t* w = src.row(t * TILE + f, g);
-          for (int c = 0; c < 4; ++c)
-            for (int j = 0; j < 4; ++j)
-              b[64 + 64 * c + 4 * f + j] =
-                  (w[8 * c + j] & 0x0F) | ((w[8 * c + 4 + j] & 0x0F) << 4);
-        }
-      }
-    }
-  });
-  return out;
-}
-
-// w [N, K] int8 -> [ceil(N / 16), K / 32 * 512] uint8 (the int8 layout above, u = w + 128).
-at::Tensor pack_int8(const at::Tensor& w) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar, "w must be [N, K] int8");
-  const int64_t N = w.size(0), K = w.size(1), G = K / QK, tiles = (N + TILE - 1) / TILE;
-  TORCH_CHECK(K % QK == 0, "K must be a multiple of ", QK);
-  auto wc = w.contiguous();
-  auto out = at::full({tiles, G * Q8_BLOCK}, 128, w.options().dtype(at::kByte));
-  const int8_t* wp = wc.data_ptr<int8_t>();
-  uint8_t* op = out.data_ptr<uint8_t>();
-  at::parallel_for(0, tiles, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t t = lo; t < hi; ++t)
-      for (int64_t g = 0; g < G; ++g) {
-        uint8_t* b = op + (t * G + g) * Q8_BLOCK;
-        for (int64_t f = 0; f < TILE && t * TILE + f < N; ++f) {
-          const int8_t* src = wp + (t * TILE + f) * K + g * QK;
-          for (int c = 0; c < 8; ++c)
-            for (int j = 0; j < 4; ++j)
-              b[64 * c + 4 * f + j] = static_cast<uint8_t>(src[4 * c + j] + 128);
-        }
-      }
-  });
-  return out;
-}
-
 // x [M, K] float32/bfloat16, packed from pack_int4 -> y [M, N] in x's dtype.
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
   const int64_t K = x.size(1), G = K / QK, tile_bytes = G * Q4_BLOCK;
@@ -401,8 +342,6 @@ TORCH_LIBRARY(sgl_cpu_vnni, m) {
 }
 
 TORCH_LIBRARY_IMPL(sgl_cpu_vnni, CPU, m) {
-  m.impl("pack_int4", &sgl_cpu_vnni::pack_int4);
-  m.impl("pack_int8", &sgl_cpu_vnni::pack_int8);
   m.impl("int4_linear", &sgl_cpu_vnni::int4_linear);
   m.impl("int8_linear", &sgl_cpu_vnni::int8_linear);
   m.impl("int4_linear_silu", &sgl_cpu_vnni::int4_linear_silu);
