@@ -1,9 +1,6 @@
-"""The scheduler's whole request lifecycle with a fake runner and no model.
-
-FakeRunner stores each new token id in its KV slot and answers, for every requested position, a
-one-hot logit on ``next_token(context)``, where the context is read back from the slots through
-``req_to_token``. A slot written to the wrong place, freed too early or shared by two requests
-changes the output, so comparing against :func:`expected_output` checks the KV bookkeeping.
+"""The scheduler's whole request lifecycle with a fake runner and no model
+(tests/unit/scheduler_harness.py): KV bookkeeping under chunks, aborts, retraction and memory
+pressure, finishing rules, validation and prefix reuse. Admission order: test_scheduling_policy.py.
 """
 
 from __future__ import annotations
@@ -11,101 +8,20 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
-from server.cache.kv_pool import TokenKVPool
-from server.cache.manager import CacheManager
-from server.cache.radix_tree import RadixCache
-from server.cache.req_table import ReqToTokenTable
-from server.config import SchedulerConfig
-from server.model.forward_batch import ForwardBatch, ForwardMode, RunnerOutput
-from server.model.sampling import SamplingParams
-from server.scheduler.request import LogprobOptions, Req, ReqStatus
-from server.scheduler.scheduler import Scheduler
+from server.model.forward_batch import ForwardMode
+from server.scheduler.request import LogprobOptions, ReqStatus
 from server.scheduler.validation import InvalidRequestError
-from tests.helpers import assert_no_request_memory
-
-VOCAB = 97
-EOS = 0
-
-
-def next_token(context: list[int]) -> int:
-    """Deterministic, order-sensitive function of the whole context; never EOS."""
-    return 1 + sum((k + 1) * t for k, t in enumerate(context)) % (VOCAB - 1)
-
-
-def expected_output(prompt: list[int], max_new: int) -> list[int]:
-    seq = list(prompt)
-    for _ in range(max_new):
-        seq.append(next_token(seq))
-    return seq[len(prompt):]
-
-
-class FakeRunner:
-    def __init__(self, capacity: int):
-        self.kv = torch.zeros(capacity + 1, dtype=torch.int64)
-        self.batches: list[ForwardBatch] = []
-
-    def forward(self, b: ForwardBatch) -> RunnerOutput:
-        self.batches.append(b)
-        assert b.out_cache_loc.numel() == b.input_ids.numel()
-        assert len(set(b.out_cache_loc.tolist())) == b.out_cache_loc.numel()
-        self.kv[b.out_cache_loc] = b.input_ids
-        seq_of = []
-        for i, n in enumerate(b.extend_lens):
-            seq_of += [i] * n
-        logits = torch.full((b.logits_indices.numel(), VOCAB), -10.0)
-        for r, idx in enumerate(b.logits_indices.tolist()):
-            i = seq_of[idx]
-            pos = int(b.positions[idx])
-            context = self.kv[b.req_to_token[b.req_rows[i], :pos + 1]].tolist()
-            logits[r, next_token(context)] = 10.0
-        return RunnerOutput(logits)
-
-
-def make(capacity=256, rows=8, context=256, disable_cache=False, **cfg):
-    cache = CacheManager(TokenKVPool(capacity), ReqToTokenTable(rows, context),
-                         RadixCache(disabled=disable_cache))
-    sched = Scheduler(SchedulerConfig(**{"schedule_policy": "fcfs", **cfg}), cache,
-                      vocab_size=VOCAB, context_len=context)
-    return sched, FakeRunner(capacity)
-
-
-def req(rid, prompt, max_new, **kw):
-    params = SamplingParams(max_new_tokens=max_new, temperature=0, **kw)
-    return Req(rid=rid, input_ids=list(prompt), params=params,
-               eos_ids=frozenset({EOS}))
-
-
-def run(sched, runner, max_steps=10_000, on_step=None):
-    done = {}
-    for step in range(max_steps):
-        if not sched.has_work:
-            return done
-        batch = sched.step()
-        assert batch is not None, "work queued but nothing schedulable"
-        for d in sched.update(batch, runner.forward(batch)):
-            if d.finish_reason is not None:
-                done[d.rid] = d.finish_reason
-        sched.check_invariants()
-        if on_step:
-            on_step(step)
-    raise AssertionError("did not finish")
-
-
-def finish_order(sched, runner) -> list[str]:
-    """Run to idle; request ids in the order they finished."""
-    order = []
-    while sched.has_work:
-        b = sched.step()
-        order += [d.rid for d in sched.update(b, runner.forward(b)) if d.finish_reason]
-        sched.check_invariants()
-    return order
-
-
-def assert_all_free(sched):
-    assert_no_request_memory(sched.cache)
-    assert not (sched.waiting or sched.prefilling or sched.running or sched.reqs)
+from tests.unit.scheduler_harness import (
+    VOCAB,
+    assert_all_free,
+    expected_output,
+    finish_one,
+    finish_order,
+    make,
+    req,
+    run,
+)
 
 
 def test_single_request_lifecycle():
@@ -282,19 +198,14 @@ def test_duplicate_request_id_refused():
         sched.add_request(req("a", [2], 1))
 
 
-def _finish_one(sched, runner, r):
-    sched.add_request(r)
-    run(sched, runner)
-
-
 def test_finished_request_is_reused_exactly():
     sched, runner = make()
     a = req("a", list(range(1, 21)), 5)
-    _finish_one(sched, runner, a)
+    finish_one(sched, runner, a)
     # the tree holds prompt + output except the last sampled token (its KV was never computed)
     assert sched.cache.tree.total_size == 20 + 5 - 1
     b = req("b", list(range(1, 16)) + [90, 91], 3)
-    _finish_one(sched, runner, b)
+    finish_one(sched, runner, b)
     assert b.cached_tokens == 15
     assert runner.batches[-3].prefix_lens == [15] and runner.batches[-3].extend_lens == [2]
     assert b.output_ids == expected_output(b.input_ids, 3)
@@ -304,9 +215,9 @@ def test_finished_request_is_reused_exactly():
 
 def test_fully_repeated_prompt_still_computes_one_token():
     sched, runner = make()
-    _finish_one(sched, runner, req("a", [5, 6, 7, 8], 2))
+    finish_one(sched, runner, req("a", [5, 6, 7, 8], 2))
     again = req("b", [5, 6, 7, 8], 2)
-    _finish_one(sched, runner, again)
+    finish_one(sched, runner, again)
     assert again.cached_tokens == 3
     assert runner.batches[-2].extend_lens == [1] and runner.batches[-2].prefix_lens == [3]
     assert again.output_ids == expected_output([5, 6, 7, 8], 2)
@@ -314,99 +225,12 @@ def test_fully_repeated_prompt_still_computes_one_token():
 
 def test_prompt_logprobs_cap_the_reused_prefix():
     sched, runner = make()
-    _finish_one(sched, runner, req("a", list(range(1, 11)), 1))
+    finish_one(sched, runner, req("a", list(range(1, 11)), 1))
     b = req("b", list(range(1, 11)), 1)
     b.logprobs = LogprobOptions(return_logprob=True, logprob_start_len=4)
-    _finish_one(sched, runner, b)
+    finish_one(sched, runner, b)
     assert b.cached_tokens == 3  # positions 3.. are recomputed for the logprobs of tokens 4..
     assert [tok for _, tok in b.input_token_logprobs] == list(range(5, 11))
-
-
-def test_lpm_admits_longest_cached_prefix_first():
-    sched, runner = make(schedule_policy="lpm", max_running_requests=1)
-    _finish_one(sched, runner, req("warm", list(range(1, 31)), 1))
-    short = req("short", list(range(1, 6)) + [80, 81], 1)
-    none = req("none", [70, 71, 72], 1)
-    long = req("long", list(range(1, 26)) + [82], 1)
-    for r in (none, short, long):  # arrival order: none, short, long
-        sched.add_request(r)
-    order = finish_order(sched, runner)
-    assert order == ["long", "short", "none"]
-
-
-def test_fcfs_ignores_the_cache():
-    sched, runner = make(schedule_policy="fcfs", max_running_requests=1)
-    _finish_one(sched, runner, req("warm", list(range(1, 31)), 1))
-    reqs = [req("none", [70, 71], 1), req("long", list(range(1, 26)), 1)]
-    for r in reqs:
-        sched.add_request(r)
-    order = finish_order(sched, runner)
-    assert order == ["none", "long"]
-
-
-def test_starvation_bound():
-    """A request with no cache hit is passed by later cache-hitting arrivals at most
-    starvation_limit_steps times, then admitted first."""
-    sched, runner = make(schedule_policy="lpm", max_running_requests=1,
-                         starvation_limit_steps=3)
-    _finish_one(sched, runner, req("warm", list(range(1, 31)), 1))
-    loner = req("loner", [90, 91, 92], 1)
-    sched.add_request(loner)
-    order = []
-    for i in range(8):  # keep feeding cache-hitting requests that arrive after the loner
-        sched.add_request(req(f"hit{i}", list(range(1, 20)) + [60 + i], 1))
-        b = sched.step()
-        order += [d.rid for d in sched.update(b, runner.forward(b)) if d.finish_reason]
-    run(sched, runner)
-    assert loner.finish_reason is not None
-    assert order.index("loner") == 3  # passed exactly 3 times
-
-
-@pytest.mark.parametrize("policy", ["lpm", "fcfs"])
-def test_higher_priority_first_within_the_starvation_bound(policy):
-    """A program's later calls (higher priority) are admitted before new programs' first calls
-    that arrived earlier; the policy orders each priority; a low-priority request is passed
-    at most starvation_limit_steps times; with priority off, arrival (the policy) decides."""
-    sched, runner = make(schedule_policy=policy, max_running_requests=1)
-    first = [req(f"new{i}", [10 + i, 11, 12], 1) for i in range(3)]
-    later = [req(f"next{i}", [40 + i, 41, 42], 1) for i in range(2)]
-    for r in later:
-        r.priority = 1
-    for r in first + later:
-        sched.add_request(r)
-    assert finish_order(sched, runner) == ["next0", "next1", "new0", "new1", "new2"]
-
-    sched, runner = make(schedule_policy=policy, max_running_requests=1, priority=False)
-    for r in [req("a", [1, 2], 1), req("b", [3, 4], 1)]:
-        r.priority = 5 if r.rid == "b" else 0
-        sched.add_request(r)
-    assert finish_order(sched, runner) == ["a", "b"]
-
-    sched, runner = make(schedule_policy=policy, max_running_requests=1,
-                         starvation_limit_steps=3)
-    low = req("low", [90, 91], 1)
-    sched.add_request(low)
-    order = []
-    for i in range(6):  # a steady stream of higher-priority calls arriving after it
-        r = req(f"hi{i}", [60 + i, 61], 1)
-        r.priority = 1
-        sched.add_request(r)
-        b = sched.step()
-        order += [d.rid for d in sched.update(b, runner.forward(b)) if d.finish_reason]
-    order += finish_order(sched, runner)
-    assert order.index("low") == 3  # passed exactly 3 times, then admitted
-
-
-def test_dfs_weight_groups_requests_by_subtree():
-    sched, runner = make(schedule_policy="dfs_weight", max_running_requests=1)
-    _finish_one(sched, runner, req("warm-a", [1, 2, 3, 4, 5], 1))
-    _finish_one(sched, runner, req("warm-b", [9, 8, 7, 6, 5], 1))
-    arrivals = [req("a1", [1, 2, 3, 4, 5, 10], 1), req("b1", [9, 8, 7, 6, 5, 11], 1),
-                req("a2", [1, 2, 3, 4, 5, 12], 1), req("a3", [1, 2, 3, 4, 5, 13], 1)]
-    for r in arrivals:
-        sched.add_request(r)
-    order = finish_order(sched, runner)
-    assert order == ["a1", "a2", "a3", "b1"]  # the heavier subtree first
 
 
 def test_retraction_keeps_computed_work_in_the_cache():
@@ -435,13 +259,13 @@ def test_namespaces_isolate_the_cache():
     sched, runner = make()
     a = req("a", list(range(1, 21)), 2)
     a.namespace = "salt-1"
-    _finish_one(sched, runner, a)
+    finish_one(sched, runner, a)
     b = req("b", list(range(1, 21)), 2)
     b.namespace = "salt-2"
-    _finish_one(sched, runner, b)
+    finish_one(sched, runner, b)
     c = req("c", list(range(1, 21)), 2)
     c.namespace = "salt-1"
-    _finish_one(sched, runner, c)
+    finish_one(sched, runner, c)
     assert (b.cached_tokens, c.cached_tokens) == (0, 19)
     assert b.output_ids == c.output_ids == expected_output(list(range(1, 21)), 2)
 
@@ -457,21 +281,6 @@ def test_flush_refused_while_running():
     sched.check_invariants()
     run(sched, runner)
     assert sched.flush_cache() and sched.cache.tree.total_size == 0
-
-
-@pytest.mark.parametrize("policy, second_hit", [("lpm", 40), ("fcfs", 0)])
-def test_in_batch_prefix_sharing_defers_the_duplicate(policy, second_hit):
-    """Two requests sharing a 40-token uncached prefix arrive together: with a cache-aware
-    policy the second waits one step and reuses the first's KV instead of recomputing it."""
-    sched, runner = make(schedule_policy=policy, chunked_prefill_size=256)
-    shared = list(range(1, 41))
-    a, b = req("a", shared + [50, 51], 2), req("b", shared + [60, 61], 2)
-    sched.add_request(a)
-    sched.add_request(b)
-    run(sched, runner)
-    assert (a.cached_tokens, b.cached_tokens) == (0, second_hit)
-    assert a.output_ids == expected_output(a.input_ids, 2)
-    assert b.output_ids == expected_output(b.input_ids, 2)
 
 
 def test_metrics_snapshot_tracks_the_lifecycle():
@@ -491,33 +300,3 @@ def test_metrics_snapshot_tracks_the_lifecycle():
     assert m["cache_hit_rate"] == pytest.approx(40 / 81)
     assert m["generated_tokens"] == 8 and m["finished_requests"] == 2
     assert m["kv_cached_tokens"] + m["kv_free_tokens"] == m["kv_capacity_tokens"]
-
-
-@pytest.mark.parametrize("mixed", [True, False])
-def test_arriving_prompts_do_not_stall_decoding_with_mixed_chunks(mixed):
-    """A new prompt every step: with mixed chunks the running request decodes in every
-    extend batch (a 1-token row) and finishes in max_new steps; prefill-first holds it back
-    until the arrivals stop. Outputs are exact either way."""
-    sched, runner = make(capacity=1024, rows=16, mixed_chunk=mixed, chunked_prefill_size=16)
-    r = req("r", [5, 6, 7], 6)
-    sched.add_request(r)
-    finished_at = None
-    for step in range(40):
-        if step < 12:
-            sched.add_request(req(f"new{step}", [20 + step] * 10, 1))
-        b = sched.step()
-        if b is None:
-            break
-        if mixed and step > 0 and not r.finished and b.mode is ForwardMode.EXTEND:
-            i = b.req_ids.index("r")
-            assert b.extend_lens[i] == 1
-        if any(d.rid == "r" and d.finish_reason for d in sched.update(b, runner.forward(b))):
-            finished_at = step
-        sched.check_invariants()
-    run(sched, runner)
-    assert r.output_ids == expected_output([5, 6, 7], 6)
-    if mixed:
-        assert finished_at == 5  # the prefill samples the 1st token, each next step one more
-    else:
-        assert finished_at >= 12  # decoded only once the stream of prompts ended
-    assert_all_free(sched)
