@@ -144,10 +144,15 @@ class GrammarCompiler:
             self.compile_seconds += time.perf_counter() - start
         if status == "ok":
             try:
-                future.set_result(self._xgr.CompiledGrammar.deserialize_json(payload,
-                                                                             self.info))
+                compiled = self._xgr.CompiledGrammar.deserialize_json(payload, self.info)
             except Exception as exc:  # noqa: BLE001
                 future.set_exception(exc)
+            else:
+                # cached before the result is published: a waiter wakes before the future's
+                # callbacks run, so a cache filled by a callback could still be mid-update
+                # (its size counted, its evictions not yet) when compile() returned
+                self._store(spec, compiled)
+                future.set_result(compiled)
             if len(payload) >= TRIM_AFTER_BYTES:
                 del payload
                 _trim_heap()
@@ -156,17 +161,18 @@ class GrammarCompiler:
         else:
             future.set_exception(RuntimeError(payload))
 
-    def _finished(self, spec: GrammarSpec, future: concurrent.futures.Future) -> None:
+    def _store(self, spec: GrammarSpec, compiled: Any) -> None:
+        """Cache ``compiled``, evicting the least recently used past CACHE_BYTES."""
         with self._lock:
-            self._inflight.pop(spec, None)
-            if future.exception() is not None:
-                return
-            compiled = future.result()
             self._cache[spec] = compiled
             self.cache_bytes += compiled.memory_size_bytes
             while self.cache_bytes > CACHE_BYTES and len(self._cache) > 1:
                 _, old = self._cache.popitem(last=False)
                 self.cache_bytes -= old.memory_size_bytes
+
+    def _finished(self, spec: GrammarSpec, future: concurrent.futures.Future) -> None:
+        with self._lock:  # compiled (and cached) or failed: later requests start afresh
+            self._inflight.pop(spec, None)
 
     def close(self) -> None:
         """Stop the compile threads and processes (idempotent)."""

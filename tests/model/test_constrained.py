@@ -212,6 +212,34 @@ def test_the_compiled_grammar_cache_is_bounded(padded_engine, monkeypatch):
         compiler.close()
 
 
+def test_a_compiled_grammar_is_cached_when_compile_returns(padded_engine, monkeypatch):
+    """A waiter on a future wakes before the future's callbacks run: with the cache filled by
+    a callback, compile() could return while the cache was still being updated (CI once saw
+    its byte count include an entry already evicted). Callbacks slowed down here, the cache
+    must still hold the grammar, and exactly its entries' bytes, when compile() returns."""
+    from server.constrained import grammar as g
+
+    finished = g.GrammarCompiler._finished
+
+    def late(self, spec, future):
+        time.sleep(0.2)
+        finished(self, spec, future)
+
+    monkeypatch.setattr(g.GrammarCompiler, "_finished", late)
+    compiler = g.GrammarCompiler(padded_engine.tokenizer, PADDED_VOCAB)
+    try:
+        first = compiler.compile(make_spec(regex="[0-9]{3}"))
+        monkeypatch.setattr(g, "CACHE_BYTES", 2 * first.memory_size_bytes)
+        for i in range(4):
+            spec = make_spec(regex=f"[0-9]{{{i + 4}}}")
+            compiled = compiler.compile(spec)
+            assert compiler._cache.get(spec) is compiled
+            assert compiler.cache_bytes == sum(c.memory_size_bytes
+                                               for c in compiler._cache.values())
+    finally:
+        compiler.close()
+
+
 @pytest.mark.parametrize("spec", [
     make_spec(regex="a{300}b(c|d)ef{20}"),
     make_spec(json_schema={"type": "object", "properties": {
