@@ -14,6 +14,7 @@
 namespace sgl_cpu_vnni {
 namespace {
 
+constexpr int64_t QK = 32;          // inputs per block (weights' and activations' alike)
 constexpr int64_t TILE = 16;        // output features per tile (one zmm of int32 lanes)
 constexpr int64_t Q4_BLOCK = 320;   // bytes per (tile, block), int4
 constexpr int64_t Q8_BLOCK = 512;   // bytes per (tile, block), int8

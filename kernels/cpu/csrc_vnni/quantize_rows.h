@@ -7,6 +7,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "packed_layout.h"
 #include "vec512.h"
 
 #include <cstdint>
@@ -14,8 +15,6 @@
 
 namespace sgl_cpu_vnni {
 namespace {
-
-constexpr int64_t QK = 32;  // inputs per block
 
 // Quantized activations of M rows, in one scratch buffer of the calling thread (a decode step
 // makes ~120 calls of a few KB each: no allocation per call): qx [M, K] int8, dx [M, G]

@@ -8,7 +8,6 @@
 
 #include "../csrc/linear_inputs.h"
 #include "packed_layout.h"
-#include "quantize_rows.h"
 
 #include <cstring>
 
