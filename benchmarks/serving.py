@@ -5,7 +5,11 @@ client, /v1/completions), against our server or any OpenAI-compatible one.
     python -m benchmarks.serving --base-url http://127.0.0.1:8000/v1 --model NAME
 
 Without ``--base-url`` it starts ``python -m server`` on the default model and stops it after.
-Prints requests/s, output tokens/s, and TTFT / inter-token-latency percentiles per concurrency.
+Prints requests/s, output tokens/s, TTFT and inter-token latency (ITL) percentiles, and the mean
+time per output token (TPOT) per concurrency. ITL is the gap between two streamed chunks; a
+server that emits several tokens in one chunk (a verified speculative draft, jump-forward) has
+fewer, wider gaps, so compare such servers by TPOT, each request's (latency - TTFT) /
+(tokens - 1), as vLLM's benchmark_serving does.
 Prompts are wiki_rag passages (../shared/data) cut to about ``--prompt-chars`` characters, so
 every server sees the same text whatever its tokenizer; output lengths are fixed with
 ``ignore_eos`` (and ``min_tokens``) where the server accepts them.
@@ -51,9 +55,12 @@ async def one_request(client, model: str, prompt: str, max_tokens: int) -> dict:
         if chunk.usage:
             usage = chunk.usage
     tokens = usage.completion_tokens if usage else len(stamps)
+    end = time.perf_counter()
     return {"ttft": stamps[0] - start if stamps else float("nan"),
             "itl": [b - a for a, b in zip(stamps, stamps[1:])],
-            "tokens": tokens, "latency": time.perf_counter() - start}
+            # per output token after the first, whatever the chunking
+            "tpot": (end - stamps[0]) / (tokens - 1) if stamps and tokens > 1 else None,
+            "tokens": tokens, "latency": end - start}
 
 
 async def run(base_url: str, model: str, texts: list[str], concurrency: int,
@@ -72,6 +79,7 @@ async def run(base_url: str, model: str, texts: list[str], concurrency: int,
     await client.close()
     ttft = sorted(r["ttft"] for r in results)
     itl = sorted(x for r in results for x in r["itl"])
+    tpot = [r["tpot"] for r in results if r["tpot"] is not None]
 
     def pct(xs, q):
         return xs[min(len(xs) - 1, int(q * len(xs)))] * 1000 if xs else float("nan")
@@ -80,7 +88,8 @@ async def run(base_url: str, model: str, texts: list[str], concurrency: int,
     return {"requests/s": len(texts) / elapsed, "output tok/s": out_tokens / elapsed,
             "ttft p50 ms": pct(ttft, 0.5), "ttft p99 ms": pct(ttft, 0.99),
             "itl p50 ms": pct(itl, 0.5), "itl p99 ms": pct(itl, 0.99),
-            "mean itl ms": statistics.fmean(itl) * 1000 if itl else float("nan")}
+            "mean itl ms": statistics.fmean(itl) * 1000 if itl else float("nan"),
+            "mean tpot ms": statistics.fmean(tpot) * 1000 if tpot else float("nan")}
 
 
 def start_own_server(extra: list[str]) -> Runtime:
@@ -117,7 +126,7 @@ def main() -> None:
         print(f"{base_url}, {args.max_tokens} output tokens per request, prompts ~"
               f"{args.prompt_chars} characters")
         print_table(["clients", "requests", "requests/s", "output tok/s", "TTFT p50 ms",
-                     "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "mean ITL ms"], rows)
+                     "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "mean ITL ms", "mean TPOT ms"], rows)
     finally:
         if own is not None:
             own.shutdown()
