@@ -171,10 +171,12 @@ SGL_INLINE void qk_rows_bf16(const uint32_t* const* qw, const ChunkRows<c10::BFl
 // pairs in order; pw[u]: [CHUNK / 2] pairs of bf16 probabilities. v_at(i, d0, nw, vv) gives
 // vp[i][d0 .. d0 + 16 nw) as nw vectors (from interleave_v's vp, or v_pairs from the rows:
 // the same words, so the same bits).
+constexpr int PV_W = 4;  // output vectors (16 dims each) a pass of pv_bf16 holds per unit
+
 template <int U, int64_t D, typename VAt>
 SGL_INLINE void pv_bf16(float* const* acc, const uint32_t* const* pw, const float* corr,
                         VAt&& v_at) {
-  constexpr int W = 4;
+  constexpr int W = PV_W;
   for (int64_t d0 = 0; d0 < D; d0 += 16 * W) {
     const int nw = static_cast<int>(std::min<int64_t>(W, (D - d0) / 16));
     __m512 a[U][W];
@@ -288,7 +290,8 @@ struct Bf16Chunk {
         });
       } else {
         pv([&](int i, int64_t d0, int nw, __m512i* vv) {
-          for (int w = 0; w < nw; ++w) vv[w] = _mm512_load_si512(vp + i * D + d0 + 16 * w);
+          for (int w = 0; w < PV_W; ++w)
+            if (w < nw) vv[w] = _mm512_load_si512(vp + i * D + d0 + 16 * w);
         });
       }
     } else {
