@@ -205,7 +205,9 @@ def long_context(args, device: str, texts: list[str], read_gbs: float | None) ->
     + KV bytes), show how much of a row's ratio the model's bytes allow: a ratio above that one
     needs the long step to stream at a higher share than the short one."""
     lengths = [int(v) for v in args.context_lengths.split(",")]
-    rows, floors = [], []  # per row: the first length's and its rate, their KV bytes, weight + KV
+    # per row: the first length's rate and this row's, their KV bytes, and this row's weight
+    # + KV bytes
+    rows, floors = [], []
     reads = [read_gbs] if read_gbs else []
     for kv_dtype in args.kv_cache_dtypes.split(","):
         engine = Engine(args.model, device=device, kv_cache_dtype=kv_dtype,

@@ -172,7 +172,10 @@ class GrammarCompiler:
 
     def _finished(self, spec: GrammarSpec, future: concurrent.futures.Future) -> None:
         with self._lock:  # compiled (and cached) or failed: later requests start afresh
-            self._inflight.pop(spec, None)
+            # only this future's entry: callbacks run after waiters wake, and by then the spec
+            # may have been evicted and a new compile of it registered
+            if self._inflight.get(spec) is future:
+                del self._inflight[spec]
 
     def close(self) -> None:
         """Stop the compile threads and processes (idempotent)."""
