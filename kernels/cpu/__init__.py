@@ -13,6 +13,10 @@ Linear-layer kernels (:data:`LINEAR_KERNELS`; shapes in each docstring below):
     the "avx2" kernels and faster than oneDNN's dense bf16 matmul at every row count on an
     AVX512-BF16 CPU (docs/benchmarks.md, "Native CPU linear layers").
 Both compute every output row bitwise independently of the other rows of the batch.
+  * ``"amx"`` (prefill only): :func:`amx_int4_linear`, the VNNI int4 layout dequantized to bf16
+    panels once a call and multiplied with the bf16 activations on AMX tiles
+    (``csrc_vnni/amx_linear.cpp``); :func:`amx_available` says whether it runs here. Rows are
+    independent of each other, but not the VNNI kernel's bits.
 Attention kernels (:data:`ATTENTION_KERNELS`, :mod:`kernels.cpu.attention`), one driver
 (``csrc/attention_impl.h``) over three chunk kernels: "avx2" (``sgl_cpu::attention``),
 "avx512_vnni" (``sgl_cpu_vnni::attention``: float32 FMAs on 16 lanes) and "avx512_bf16"
@@ -161,6 +165,27 @@ def vnni_pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> 
     shapes."""
     require("avx512_vnni")
     return torch.ops.sgl_cpu_vnni.pack_int4(q, scale, zero)
+
+
+AMX_OVERRIDE = "SGL_CPU_AMX"  # "0": never the AMX kernel (tests run the dense copies' path)
+
+
+def amx_available() -> bool:
+    """True when :func:`amx_int4_linear` runs here: the VNNI library loads, the CPU has
+    AMX-BF16 (and AVX512-BF16 / VBMI) and the OS grants the tile state, and ``$SGL_CPU_AMX`` is
+    not "0"."""
+    if os.environ.get(AMX_OVERRIDE, "").strip() == "0" or not available("avx512_vnni"):
+        return False
+    return bool(torch.ops.sgl_cpu_vnni.amx_available())
+
+
+def amx_int4_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x [M, K] bfloat16 (float32 is rounded to bfloat16 first; contiguous, K % 32 == 0) @ the
+    weight [N, K] that :func:`vnni_pack_int4` packed, transposed -> [M, N] in x's dtype: each
+    weight tile dequantized to bf16 (w = d * q + m, rounded once), float32 sums on AMX tiles.
+    For prefill-sized M (the dequantization is paid once a call). Raises RuntimeError for bad
+    shapes/dtypes, or where :func:`amx_available` is false."""
+    return torch.ops.sgl_cpu_vnni.amx_int4_linear(x, packed, out_features)
 
 
 def vnni_pack_int8(w: torch.Tensor) -> torch.Tensor:

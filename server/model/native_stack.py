@@ -70,7 +70,9 @@ def build_native_stack(model, attention) -> "torch.ScriptObject | None":
         ints.append(layer.window)
     tensors.append(model.norm.data)
     first = model.layers[0]
+    amx = [linear.dense_min_rows for layer in model.layers for name in _PROJECTIONS
+           if (linear := getattr(layer, name)).amx]
     ints += [first.num_heads, first.num_kv_heads, first.head_dim,
-             _ATTENTION_KINDS[attention.kernel]]
+             _ATTENTION_KINDS[attention.kernel], amx[0] if amx else 0]
     return cls(tensors, ints, list(attention.k_buffers), list(attention.v_buffers),
                [float(first.eps), float(first.scale), float(first.softcap or 0.0)])

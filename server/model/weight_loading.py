@@ -53,15 +53,16 @@ class QuantReport:
     weight_bytes: int = 0
     prefill_copy_bytes: int = 0
     off_native: int = 0
+    amx_modules: int = 0  # int4 linears whose long extends run on AMX tiles instead of a copy
 
     @property
     def row_invariant(self) -> bool:
         """Every linear layer computes a row the same whatever else is in the pass: all of
         them quantized onto the kernels.cpu library (one accumulator per output, fed in k
-        order), none dense (torch's matmuls) and no dense copy for long extends."""
+        order), none dense (torch's matmuls), no dense copy and no AMX tiles for long extends."""
         return (self.native and self.modules["int4"] + self.modules["int8"] > 0
                 and self.modules["dense"] == 0 and self.off_native == 0
-                and self.prefill_copy_bytes == 0)
+                and self.prefill_copy_bytes == 0 and self.amx_modules == 0)
 
     def summary(self) -> str:
         """One line for logs and /get_model_info, e.g.
@@ -72,7 +73,9 @@ class QuantReport:
         dense = (f" + {self.prefill_copy_bytes / 2**20:.0f} MiB bf16 copies for extends of >= "
                  f"{self.dense_min_rows} tokens" if self.prefill_copy_bytes else "")
         kernel = f" on sgl_cpu {self.native} kernels" if self.native and self.sources else ""
-        return f"{self.mode}: {kinds} [{src}], {packed:.0f} MiB{dense}{kernel}"
+        amx = (f", {self.amx_modules} int4 x AMX bf16 tiles for extends of >= "
+               f"{self.dense_min_rows} tokens" if self.amx_modules else "")
+        return f"{self.mode}: {kinds} [{src}], {packed:.0f} MiB{dense}{kernel}{amx}"
 
 
 def _module_of(model: nn.Module, name: str) -> tuple[nn.Module, str]:
@@ -205,5 +208,6 @@ def _install_quantized(model: nn.Module, name: str, blocks: list, quantization: 
         new = QuantLinear(weight, bias, dense_min_rows, native)
         report.weight_bytes += new.nbytes
         report.prefill_copy_bytes += 0 if new.dense is None else new.dense.nbytes
+        report.amx_modules += new.amx
     parent, attr = _module_of(model, module_name)
     setattr(parent, attr, new.to(device))

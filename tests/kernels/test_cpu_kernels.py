@@ -207,8 +207,9 @@ def test_native_linear_layers_in_the_model_match_torchs(make_tiny_model):
 @needs_native
 def test_a_forced_bf16_class_runs_the_bf16_paths_of_an_amx_machine(make_tiny_model):
     """cpu_isa="amx" on any AVX2 machine takes an AMX machine's decisions: bfloat16 compute
-    (emulated here), the native kernels on bfloat16 activations and KV, and dense bf16 copies
-    of the quantized weights for long extends. Its greedy tokens start like float32's."""
+    (emulated here), the native kernels on bfloat16 activations and KV, and for long extends
+    dense bf16 copies of the quantized weights (AMX bf16 tiles over the int4 weights where the
+    CPU has them). Its greedy tokens start like float32's."""
     from server.engine import Engine
 
     path, _ = make_tiny_model("llama")
@@ -218,10 +219,12 @@ def test_a_forced_bf16_class_runs_the_bf16_paths_of_an_amx_machine(make_tiny_mod
                  cpu_isa="avx2")
     assert amx.config.model.dtype == "bfloat16" and ref.config.model.dtype == "float32"
     assert amx.config.model.attention_backend == "cpu"
-    assert amx.runner.quant_report.prefill_copy_bytes > 0  # the dense bf16 extend copies
+    report = amx.runner.quant_report  # the dense bf16 extend copies, or AMX tiles
+    assert (report.amx_modules > 0) == native.amx_available()
+    assert (report.prefill_copy_bytes > 0) == (not native.amx_available())
     assert amx.kv_pool.k_buffers[0].dtype == torch.bfloat16
     params = {"max_new_tokens": 4, "temperature": 0}
-    ids = list(range(5, 90))  # 85 tokens: the extend takes the dense copies' path
+    ids = list(range(5, 90))  # 85 tokens: the extend takes the dense copies' (AMX) path
     a = amx.generate(input_ids=ids, sampling_params=params)["output_ids"]
     b = ref.generate(input_ids=ids, sampling_params=params)["output_ids"]
     assert a[:2] == b[:2]

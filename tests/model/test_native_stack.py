@@ -15,8 +15,10 @@ pytestmark = pytest.mark.skipif(not native.available(),
 
 SP = {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}
 PROMPTS = [[5 + i for i in range(40)], [900, 17, 33, 2], list(range(300, 371))]
-# every linear kernel this machine runs, by the CPU class that picks it
-ISAS = ["avx2"] + (["avx512_bf16"] if native.available("avx512_vnni") else [])
+# every linear kernel this machine runs, by the CPU class that picks it ("amx": extends of 64+
+# tokens on AMX tiles, shorter passes on the VNNI kernel)
+ISAS = (["avx2"] + (["avx512_bf16"] if native.available("avx512_vnni") else [])
+        + (["amx"] if native.amx_available() else []))
 
 
 def _results(engine: Engine) -> list[tuple]:
@@ -35,9 +37,11 @@ def _results(engine: Engine) -> list[tuple]:
 def test_one_native_call_equals_the_python_loop(make_tiny_model, isa, dtype, kind, overrides):
     path, _ = make_tiny_model(kind, seed=5, **overrides)
     engine = Engine(path, dtype=dtype, cpu_isa=isa, quantization="int4", context_length=256,
-                    max_total_tokens=4096, chunked_prefill_size=32, disable_radix_cache=True)
+                    max_total_tokens=4096, chunked_prefill_size=128 if isa == "amx" else 32,
+                    disable_radix_cache=True)
     model = engine.runner.model
     assert model.native_stack is not None, unsupported_reason(model, engine.runner.attention)
+    assert (engine.runner.quant_report.amx_modules > 0) == (isa == "amx")
     stacked = _results(engine)
     model.native_stack = None  # the Python loop over the same weights and pool
     assert _results(engine) == stacked

@@ -53,9 +53,20 @@ c10::TypedOperatorHandle<Sig> op(const char* name) {
 struct Linear {
   int64_t kind, out_features;
   at::Tensor packed, scales, bias;  // bias: undefined when the layer has none
+  int64_t amx_min_rows = 0;  // VNNI_INT4: passes of this many rows run on AMX tiles (0: never)
+
+  // QuantLinear's choice: sgl_cpu_vnni::amx_int4_linear for long extends where it has AMX
+  bool on_amx(const at::Tensor& x) const {
+    return kind == VNNI_INT4 && amx_min_rows > 0 && x.size(0) >= amx_min_rows;
+  }
 
   at::Tensor operator()(const at::Tensor& x) const {
     at::Tensor y;
+    if (on_amx(x)) {
+      static const auto f = op<Int4Op>("sgl_cpu_vnni::amx_int4_linear");
+      y = f.call(x, packed, out_features);
+      return bias.defined() ? y + bias : y;
+    }
     switch (kind) {
       case AVX2_INT4: {
         static const auto f = op<Int4Op>("sgl_cpu::int4_linear");
@@ -138,8 +149,8 @@ struct Lora {
 //       qkv_proj, o_proj, gate_up_proj, down_proj each: packed, scales, bias (a 0-element
 //       tensor when none) = 14 tensors a layer; then the final norm [H].
 //   ints: per layer: the four linears' (kind, out_features), then the sliding window
-//       (0 = none) = 9 ints a layer; then num_q, num_kv, head_dim and the attention kernel
-//       (AttentionKind).
+//       (0 = none) = 9 ints a layer; then num_q, num_kv, head_dim, the attention kernel
+//       (AttentionKind) and the rows from which VNNI int4 linears run on AMX (0 = never).
 //   k_buffers, v_buffers: the KV pool's per-layer buffers [capacity, num_kv, head_dim].
 //   floats: rms_norm_eps, attention scale, attention-logit soft-cap (0 = none).
 class DecoderStack : public torch::CustomClassHolder {
@@ -150,9 +161,9 @@ class DecoderStack : public torch::CustomClassHolder {
       : k_(std::move(k_buffers)), v_(std::move(v_buffers)) {
     const size_t layers = k_.size();
     TORCH_CHECK(v_.size() == layers && tensors.size() == 14 * layers + 1 &&
-                ints.size() == 9 * layers + 4 && floats.size() == 3,
+                ints.size() == 9 * layers + 5 && floats.size() == 3,
                 "DecoderStack: ", layers, " layers need 14 tensors and 9 ints each (+1 tensor, "
-                "+4 ints) and 3 floats; got ", tensors.size(), ", ", ints.size(), ", ",
+                "+5 ints) and 3 floats; got ", tensors.size(), ", ", ints.size(), ", ",
                 floats.size());
     for (size_t l = 0; l < layers; ++l) {
       const at::Tensor* t = &tensors[14 * l];
@@ -161,7 +172,7 @@ class DecoderStack : public torch::CustomClassHolder {
       for (int j = 0; j < 4; ++j) {
         const at::Tensor& bias = t[2 + 3 * j + 2];
         layer.linears[j] = Linear{i[2 * j], i[2 * j + 1], t[2 + 3 * j], t[2 + 3 * j + 1],
-                                  bias.numel() ? bias : at::Tensor()};
+                                  bias.numel() ? bias : at::Tensor(), ints[9 * layers + 4]};
         TORCH_CHECK(i[2 * j] >= AVX2_INT4 && i[2 * j] <= VNNI_INT8, "unknown linear kind ",
                     i[2 * j]);
       }
@@ -275,7 +286,8 @@ class DecoderStack : public torch::CustomClassHolder {
         h = add_norm(o, x, layer.post_norm);
       }
       at::Tensor act;
-      if (layer.fused_gate_up && !lora) {  // the same values, without the [T, 2 I] one
+      // fused: the same values, without the [T, 2 I] one (not where AMX runs the pass)
+      if (layer.fused_gate_up && !lora && !layer.linears[2].on_amx(h)) {
         static const auto f = op<Int4Op>("sgl_cpu_vnni::int4_linear_silu");
         act = f.call(h, layer.linears[2].packed, layer.linears[2].out_features);
       } else {

@@ -1,0 +1,237 @@
+// The int4 linear layers on AMX bf16 tiles, for prefill-sized passes (sgl_cpu_vnni::amx_*):
+// each 16-feature tile of the VNNI int4 weight (packed_layout.h) is dequantized once a call
+// into a bf16 panel in the thread's cache (w = d * q + m in float32, FMA, rounded to nearest
+// even bf16), and the bf16 activations are multiplied with it by TDPBF16PS (16 rows x 16
+// features x 32 inputs an instruction, float32 accumulation in the tile over all of K): 2 x 2
+// tiles of 16 rows and 16 features a step, as oneDNN's brgemm blocks them (Intel's AMX
+// programming reference, "Intel Advanced Matrix Extensions", Architecture Instruction Set
+// Extensions Programming Reference ch. 3). No int8 activations and no per-block float
+// epilogue: that epilogue (a tile store and 4 float ops a row every 32 inputs) held the int8
+// tiles (TDPBSUD) to 0.3-0.4 TOP/s a core here, the VNNI kernel's rate.
+//
+// Numerics: the weights are the dequantized int4 values rounded to bf16 (what the dense bf16
+// copies this replaces held), the activations bf16 as given (float32 ones are rounded first),
+// sums in float32 in k order 32 inputs at a time (the order within an instruction is the
+// hardware's). Not the VNNI kernel's bits (that one quantizes the activations to int8), so a
+// token's logits depend on whether its pass ran here: the caller uses it only for passes of
+// many rows, as it used the dense copies. Each output row depends only on its own input row.
+//
+// Compiled into the VNNI library (kernels/cpu/build.py) with per-function targets
+// (amx-tile, amx-bf16, avx512bf16, avx512vbmi), so the rest of the library still runs on AVX-512 VNNI
+// CPUs without them; amx_available() says whether this machine and its kernel allow the tiles.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <torch/library.h>
+#include <unistd.h>
+
+#include "../csrc/linear_inputs.h"
+#include "../csrc/work_ranges.h"
+#include "packed_layout.h"
+#include "vec512.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <vector>
+
+#define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512bf16,avx512vbmi")))
+
+namespace sgl_cpu_vnni {
+namespace {
+
+constexpr int64_t PANEL_BLOCK = 16 * 32;  // bf16 of a (tile, 32-input block): 16 pair rows x 32
+constexpr int64_t ROWS = 32;              // activation rows a step (two 16-row A tiles)
+
+// Linux keeps the tile data state off until a process asks (arch_prctl ARCH_REQ_XCOMP_PERM,
+// XFEATURE_XTILEDATA; Documentation/arch/x86/xstate.rst); a tile instruction before that
+// faults. Asked once per process.
+bool tiles_permitted() {
+  static const bool ok = [] {
+    if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16") ||
+        !__builtin_cpu_supports("avx512bf16") || !__builtin_cpu_supports("avx512vbmi"))
+      return false;
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return ok;
+}
+
+// palette 1, all 8 tiles 16 rows x 64 bytes: tmm0-3 C (float32), tmm4-5 A (activation rows),
+// tmm6-7 B (weight pair rows)
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
+  uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
+};
+
+// Tile t of a packed int4 weight (its G blocks at w) -> panel [G][16 pair rows][16 features]
+// [2] bf16: pair row p of block g holds inputs 32 g + 2 p, 32 g + 2 p + 1 of every feature (B's
+// layout for TDPBF16PS). Chunk c of a packed block holds inputs 8c .. 8c + 3 in the low
+// nibbles of feature f's dword and 8c + 4 .. 8c + 7 in the high ones, so each nibble vector
+// gives two pair rows.
+AMX_TARGET void dequantize_q4_tile(const uint8_t* w, int64_t G, c10::BFloat16* panel) {
+  alignas(64) uint8_t pick[64];  // bytes of pair row 2h + e from dword bytes 4f + 2h + e
+  for (int h = 0; h < 2; ++h)
+    for (int f = 0; f < 16; ++f)
+      for (int e = 0; e < 2; ++e) pick[32 * h + 2 * f + e] = uint8_t(4 * f + 2 * h + e);
+  const __m512i sel = _mm512_load_si512(pick);
+  // lane i of the first / second half of a pair row belongs to feature i / 2 / 8 + i / 2
+  const __m512i dup_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i dup_hi = _mm512_add_epi32(dup_lo, _mm512_set1_epi32(8));
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* b = w + g * Q4_BLOCK;
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)));
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32)));
+    const __m512 d0 = _mm512_permutexvar_ps(dup_lo, d), d1 = _mm512_permutexvar_ps(dup_hi, d);
+    const __m512 m0 = _mm512_permutexvar_ps(dup_lo, m), m1 = _mm512_permutexvar_ps(dup_hi, m);
+    __m512i* out = reinterpret_cast<__m512i*>(panel + g * PANEL_BLOCK);
+    for (int c = 0; c < 4; ++c) {
+      const __m512i v = _mm512_loadu_si512(b + 64 + 64 * c);
+      const __m512i nib[2] = {_mm512_and_si512(v, low),
+                              _mm512_and_si512(_mm512_srli_epi16(v, 4), low)};
+      for (int s = 0; s < 2; ++s) {  // inputs 8c + 4s .. 8c + 4s + 3: pair rows 4c + 2s + h
+        const __m512i q = _mm512_permutexvar_epi8(sel, nib[s]);
+        for (int h = 0; h < 2; ++h) {
+          const __m512 lo = _mm512_fmadd_ps(
+              _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(q, 2 * h))), d0, m0);
+          const __m512 hi = _mm512_fmadd_ps(
+              _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(q, 2 * h + 1))), d1, m1);
+          _mm512_store_si512(out + 4 * c + 2 * s + h, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
+      }
+    }
+  }
+}
+
+// c [32][32] float32 = rows a (two 16-row A tiles at a, a + 16 lda; lda in elements) times the
+// panels b0, b1 (two 16-feature tiles) over G blocks of 32 inputs.
+AMX_TARGET void tile_2x2(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* b0,
+                         const c10::BFloat16* b1, int64_t G, float* c) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  const int64_t stride = lda * 2;
+  for (int64_t g = 0; g < G; ++g) {
+    _tile_loadd(4, a + 32 * g, stride);
+    _tile_loadd(5, a + 16 * lda + 32 * g, stride);
+    _tile_loadd(6, b0 + g * PANEL_BLOCK, 64);
+    _tile_loadd(7, b1 + g * PANEL_BLOCK, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, c, 128);
+  _tile_stored(1, c + 16, 128);
+  _tile_stored(2, c + 16 * 32, 128);
+  _tile_stored(3, c + 16 * 32 + 16, 128);
+}
+
+AMX_TARGET void load_tile_config() {
+  static const TileConfig config;
+  _tile_loadconfig(&config);
+}
+
+// The per-thread scratch: two panels, a zero-padded copy of a last partial step of rows, the
+// C tiles' float32 output.
+struct Scratch {
+  std::vector<c10::BFloat16> panels, tail;
+  std::vector<float> c;
+  Scratch(int64_t G, int64_t K)
+      : panels(2 * G * PANEL_BLOCK + 32), tail(ROWS * K + 32), c(ROWS * 32 + 16) {}
+  c10::BFloat16* panel(int i) { return aligned(panels.data()) + i * (panels.size() - 32) / 2; }
+  static c10::BFloat16* aligned(c10::BFloat16* p) {
+    return reinterpret_cast<c10::BFloat16*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t(63));
+  }
+};
+
+// Runs every unit u < units (a pair of weight tiles tile_of(u, 0), tile_of(u, 1)) over all
+// rows of xb [M, K] bf16: out(m0, rows, c, u) gets each step's c [32][32] float32 (columns
+// 0-15 the first tile's features, 16-31 the second's).
+template <typename TileOf, typename Out>
+void run_units(const c10::BFloat16* xb, int64_t M, int64_t K, const uint8_t* w, int64_t units,
+               TileOf tile_of, Out out) {
+  const int64_t G = K / QK, tile_bytes = G * Q4_BLOCK;
+  const int64_t n = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), units));
+  sgl_cpu::run_ranges_with(
+      n, [&](int64_t r) { return units * (r + 1) / n - units * r / n; }, 1,
+      [&] {
+        load_tile_config();
+        return Scratch(G, K);
+      },
+      [&](Scratch& s, int64_t r, int64_t i) {
+        const int64_t u = units * r / n + i;
+        c10::BFloat16* p0 = s.panel(0);
+        c10::BFloat16* p1 = s.panel(1);
+        dequantize_q4_tile(w + tile_of(u, 0) * tile_bytes, G, p0);
+        dequantize_q4_tile(w + tile_of(u, 1) * tile_bytes, G, p1);
+        float* c = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(s.c.data()) + 63) & ~uintptr_t(63));
+        for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
+          const int64_t rows = std::min(ROWS, M - m0);
+          const c10::BFloat16* a = xb + m0 * K;
+          if (rows < ROWS) {  // the tiles read 32 rows: pad with zeros
+            c10::BFloat16* t = s.tail.data();
+            std::copy(a, a + rows * K, t);
+            std::fill(t + rows * K, t + ROWS * K, c10::BFloat16(0.0f));
+            a = t;
+          }
+          tile_2x2(a, K, p0, p1, G, c);
+          out(m0, rows, c, u);
+        }
+      });
+}
+
+void check_amx(const at::Tensor& x, const at::Tensor& packed, int64_t N, int64_t K) {
+  TORCH_CHECK(tiles_permitted(), "the AMX kernels need a CPU with AMX-BF16 and a kernel that "
+              "grants the tile state (amx_available() is false here)");
+  sgl_cpu::check_x(x, K, QK);
+  const int64_t tiles = (N + TILE - 1) / TILE;
+  TORCH_CHECK(packed.dim() == 2 && packed.size(0) == tiles && packed.size(1) == K / QK * Q4_BLOCK &&
+              packed.is_contiguous() && packed.scalar_type() == at::kByte,
+              "packed must be a contiguous [", tiles, ", ", K / QK * Q4_BLOCK,
+              "] uint8 tensor (sgl_cpu_vnni.pack_int4 of a [", N, ", K] weight)");
+}
+
+}  // namespace
+
+bool amx_available() { return tiles_permitted(); }
+
+// x [M, K] float32/bfloat16, packed from pack_int4 -> y [M, N] in x's dtype.
+at::Tensor amx_int4_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
+  const int64_t M = x.size(0), K = x.size(1), tiles = (N + TILE - 1) / TILE;
+  check_amx(x, packed, N, K);
+  auto y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const at::Tensor xb = x.scalar_type() == at::kBFloat16 ? x : x.to(at::kBFloat16);
+  auto run = [&](auto* yp) {
+    run_units(xb.data_ptr<c10::BFloat16>(), M, K, packed.data_ptr<uint8_t>(), (tiles + 1) / 2,
+              [&](int64_t u, int i) { return std::min(2 * u + i, tiles - 1); },
+              [&](int64_t m0, int64_t rows, const float* c, int64_t u) {
+                for (int i = 0; i < 2 && 2 * u + i < tiles; ++i) {
+                  const int64_t n0 = (2 * u + i) * TILE;
+                  const __mmask16 mask = sgl_cpu::lanes(N - n0);
+                  for (int64_t r = 0; r < rows; ++r)
+                    sgl_cpu::store16(yp + (m0 + r) * N + n0, _mm512_load_ps(c + 32 * r + 16 * i), mask);
+                }
+              });
+  };
+  if (x.scalar_type() == at::kFloat) run(y.data_ptr<float>());
+  else run(y.data_ptr<c10::BFloat16>());
+  return y;
+}
+
+}  // namespace sgl_cpu_vnni
+
+TORCH_LIBRARY_FRAGMENT(sgl_cpu_vnni, m) {
+  m.def("amx_available() -> bool", &sgl_cpu_vnni::amx_available);
+  m.def("amx_int4_linear(Tensor x, Tensor packed, int N) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(sgl_cpu_vnni, CPU, m) {
+  m.impl("amx_int4_linear", &sgl_cpu_vnni::amx_int4_linear);
+}
