@@ -8,9 +8,9 @@ second against a large dense matmul, for the shapes of a model at several row co
 
 Each shape is [K, N] (in_features x out_features) as int4 (the packed Q4_1 layout), then the
 default model's int8 lm_head [576, 49152] unless ``--no-lm-head``. Every linear kernel this
-machine runs (``--kernels``, default all: "avx2", "avx512_vnni") and oneDNN's dense bf16
-matmul of the dequantized weight (``F.linear``, the dense prefill copies' path) are timed on the
-same inputs. Per cell: milliseconds a call (median of ``--reps``), GB/s of packed weight read,
+machine runs (``--kernels``, default all: "avx2", "avx512_vnni"), the AMX int4 kernel
+where the machine has AMX tiles, and oneDNN's dense bf16 matmul of the dequantized weight
+(``F.linear``, the dense prefill copies' path) are timed on the same inputs. Per cell: milliseconds a call (median of ``--reps``), GB/s of packed weight read,
 and GFLOP/s. The limits printed first: the copy bandwidth, dense fp32 and bf16 2048^3 matmuls
 (oneDNN; the bf16 one is "the matrix units' peak" where the CPU has bf16 dot products). The
 machine's CPU class is printed first. Weights are cache-resident when they fit (the same ones
@@ -133,6 +133,10 @@ def main(argv: list[str] | None = None) -> int:
         for kernel in kernels:
             call, read = _kernel_calls(kernel, kind, qw)
             calls.append((kernel, call, sum(t.nbytes for t in read)))
+        if kind == "int4" and native.amx_available():  # the long extends' kernel there
+            packed = native.vnni_pack_int4(qw.q, qw.scale, qw.zero)
+            calls.append(("amx (bf16 tiles)", lambda x, p=packed: native.amx_int4_linear(x, p, n),
+                          packed.nbytes))
         if not args.no_dense:
             dense = qw.dequantize().to(torch.bfloat16)
             calls.append(("oneDNN bf16 dense", lambda x: F.linear(x.to(torch.bfloat16), dense),
