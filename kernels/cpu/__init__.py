@@ -18,11 +18,12 @@ Both compute every output row bitwise independently of the other rows of the bat
     (``csrc_vnni/amx_linear.cpp``); :func:`amx_available` says whether it runs here. Rows are
     independent of each other, but not the VNNI kernel's bits.
 Attention kernels (:data:`ATTENTION_KERNELS`, :mod:`kernels.cpu.attention`), one driver
-(``csrc/attention_impl.h``) over three chunk kernels: "avx2" (``sgl_cpu::attention``),
-"avx512_vnni" (``sgl_cpu_vnni::attention``: float32 FMAs on 16 lanes) and "avx512_bf16"
+(``csrc/attention_impl.h``) over four chunk kernels: "avx2" (``sgl_cpu::attention``),
+"avx512_vnni" (``sgl_cpu_vnni::attention``: float32 FMAs on 16 lanes), "avx512_bf16"
 (``sgl_cpu_vnni::attention_bf16``: bf16 dot products where q and K/V are bfloat16 and head_dim
-is a multiple of 32, else the float32 AVX-512 path); :func:`attention_kernel` picks. The fused
-decoder-layer ops (RMSNorm, residual add + RMSNorm, RoPE + K/V store, SiLU * up) come in both
+is a multiple of 32, else the float32 AVX-512 path) and "amx" (``sgl_cpu_vnni::attention_amx``:
+the same inputs on AMX bf16 tiles, where :func:`amx_available`); :func:`attention_kernel`
+picks. The fused decoder-layer ops (RMSNorm, residual add + RMSNorm, RoPE + K/V store, SiLU * up) come in both
 libraries (``csrc/fused.cpp``, ``csrc_vnni/fused512.cpp``); a model runs those of the library
 its attention kernel is in. ``sgl_cpu::sample_tempered`` (``csrc/sample.cpp``) draws the sampler's
 temperature / min-p rows (:class:`server.model.sampling.Sampler` with ``native``).
@@ -51,11 +52,12 @@ LIBRARY = os.path.join(BUILD_DIR, "sgl_cpu.so")  # kernels.cpu.build writes both
 VNNI_LIBRARY = os.path.join(BUILD_DIR, "vnni", "sgl_cpu_vnni.so")
 BLOCK = 32  # activation quantization block (weights per int4 scale, too)
 LINEAR_KERNELS = ("avx2", "avx512_vnni")
-ATTENTION_KERNELS = ("avx2", "avx512_vnni", "avx512_bf16")
+ATTENTION_KERNELS = ("avx2", "avx512_vnni", "avx512_bf16", "amx")
 # per attention kernel: (its library's linear-kernel key, the CPU class it needs, op name)
 _ATTENTION_OPS = {"avx2": ("avx2", "avx2", "sgl_cpu::attention"),
                   "avx512_vnni": ("avx512_vnni", "avx512_vnni", "sgl_cpu_vnni::attention"),
-                  "avx512_bf16": ("avx512_vnni", "avx512_bf16", "sgl_cpu_vnni::attention_bf16")}
+                  "avx512_bf16": ("avx512_vnni", "avx512_bf16", "sgl_cpu_vnni::attention_bf16"),
+                  "amx": ("avx512_vnni", "amx", "sgl_cpu_vnni::attention_amx")}
 # library file and the CPU class its instructions need, per linear kernel
 _LIBRARIES = {"avx2": (LIBRARY, "avx2"), "avx512_vnni": (VNNI_LIBRARY, "avx512_vnni")}
 
@@ -111,7 +113,8 @@ def attention_kernel(cpu_isa: str | None = None) -> str:
     isa = detected_isa() if cpu_isa is None else cpu_isa
     for kernel in reversed(ATTENTION_KERNELS):
         library, needs, _ = _ATTENTION_OPS[kernel]
-        if at_least(needs, isa) and at_least(needs, detected_isa()) and available(library):
+        if at_least(needs, isa) and at_least(needs, detected_isa()) and available(library) \
+                and (kernel != "amx" or amx_available()):
             return kernel
     return "avx2"
 
@@ -122,8 +125,9 @@ def attention_op(kernel: str):
     run it (its library, or the CPU lacks the instructions)."""
     library, needs, name = _ATTENTION_OPS[kernel]
     require(library)
-    if not at_least(needs, detected_isa()):
-        raise RuntimeError(f"the {kernel} attention kernel needs {needs}; the CPU is "
+    if not at_least(needs, detected_isa()) or (kernel == "amx" and not amx_available()):
+        raise RuntimeError(f"the {kernel} attention kernel needs {needs} (and for amx, "
+                           f"tiles the OS grants, {AMX_OVERRIDE} not 0); the CPU is "
                            f"{detected_isa()!r}")
     namespace, op = name.split("::")
     return getattr(getattr(torch.ops, namespace), op)

@@ -21,7 +21,7 @@ _LINEAR_KINDS = {("avx2", "int4"): 0, ("avx2", "int8"): 1,
                  ("avx512_vnni", "int4"): 2, ("avx512_vnni", "int8"): 3}
 _PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 # decoder_stack.cpp's AttentionKind per CPUAttention.kernel
-_ATTENTION_KINDS = {"avx2": 0, "avx512_vnni": 1, "avx512_bf16": 2}
+_ATTENTION_KINDS = {"avx2": 0, "avx512_vnni": 1, "avx512_bf16": 2, "amx": 3}
 
 
 def unsupported_reason(model, attention) -> str | None:

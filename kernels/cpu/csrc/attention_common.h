@@ -36,7 +36,8 @@ constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 // kStage: bfloat16 K/V rows shared by many units may be staged as float32 (else rows are
 // always passed in place); kBase2: its scores, running max m and exponentials are in base 2
 // (scores scaled by log2(e), exp2), else base e. Each unit's arithmetic must not depend on
-// the other units it is computed with.
+// the other units it is computed with. Optionally static void begin_item(), called on the
+// thread that runs a work item before its chunks (the AMX kernel configures its tiles there).
 
 inline float exp1(float x) {
   alignas(32) float buf[8] = {x, 0, 0, 0, 0, 0, 0, 0};

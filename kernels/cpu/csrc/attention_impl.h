@@ -210,6 +210,7 @@ void run(const at::Tensor& q, const at::Tensor& kbuf, const at::Tensor& vbuf,
   const int64_t row_bytes = D * static_cast<int64_t>(sizeof(KV));
   T* op = out.data_ptr<T>();
   auto work = [&](int64_t w, ItemScratch& sc) {  // item w, on whichever thread takes it
+    if constexpr (requires { Chunk::begin_item(); }) Chunk::begin_item();  // AMX: tile config
     float *qs = sc.qs.get(), *kst = sc.kst.get(), *vst = sc.vst.get(), *prs = sc.prs.get();
     const float* qrows[TILE * MAX_GROUP];
     Row rows[TILE];

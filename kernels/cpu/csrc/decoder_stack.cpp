@@ -31,8 +31,10 @@ namespace {
 enum LinearKind : int64_t { AVX2_INT4 = 0, AVX2_INT8 = 1, VNNI_INT4 = 2, VNNI_INT8 = 3 };
 
 // Attention kernel codes (native_stack.py): sgl_cpu::attention, sgl_cpu_vnni::attention,
-// sgl_cpu_vnni::attention_bf16.
-enum AttentionKind : int64_t { AVX2_ATTENTION = 0, AVX512_ATTENTION = 1, BF16_ATTENTION = 2 };
+// sgl_cpu_vnni::attention_bf16, sgl_cpu_vnni::attention_amx.
+enum AttentionKind : int64_t {
+  AVX2_ATTENTION = 0, AVX512_ATTENTION = 1, BF16_ATTENTION = 2, AMX_ATTENTION = 3
+};
 
 using AttentionOp = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                const at::Tensor&, const at::Tensor&, const at::Tensor&,
@@ -183,12 +185,13 @@ class DecoderStack : public torch::CustomClassHolder {
     num_kv_ = ints[9 * layers + 1];
     head_dim_ = ints[9 * layers + 2];
     attention_kind_ = ints[9 * layers + 3];
-    TORCH_CHECK(attention_kind_ >= AVX2_ATTENTION && attention_kind_ <= BF16_ATTENTION,
+    TORCH_CHECK(attention_kind_ >= AVX2_ATTENTION && attention_kind_ <= AMX_ATTENTION,
                 "unknown attention kind ", attention_kind_);
     if (attention_kind_ != AVX2_ATTENTION) {  // the AVX-512 library's ops (CPUAttention's)
-      attention_op_ = op<AttentionOp>(attention_kind_ == AVX512_ATTENTION
-                                          ? "sgl_cpu_vnni::attention"
-                                          : "sgl_cpu_vnni::attention_bf16");
+      attention_op_ = op<AttentionOp>(attention_kind_ == AVX512_ATTENTION ? "sgl_cpu_vnni::attention"
+                                      : attention_kind_ == BF16_ATTENTION
+                                          ? "sgl_cpu_vnni::attention_bf16"
+                                          : "sgl_cpu_vnni::attention_amx");
       silu_op_ = op<SiluOp>("sgl_cpu_vnni::silu_mul");
       norm_op_ = op<NormOp>("sgl_cpu_vnni::rms_norm");
       add_norm_op_ = op<AddNormOp>("sgl_cpu_vnni::add_rms_norm");
