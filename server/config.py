@@ -103,7 +103,9 @@ class SchedulerConfig:
             scheduling steps is admitted before anything else.
         max_cache_aware_queue: above this many waiting requests, lpm/dfs_weight fall back to
             fcfs (matching every request against the tree each step costs time).
-        disable_jump_forward: decode forced strings of constrained requests token by token.
+        disable_jump_forward: decode forced strings of constrained requests token by token
+            (the Engine sets it where long extends run on other kernels than single steps: AMX
+            tiles or dense bf16 copies, the bf16/AMX class's default).
         mixed_chunk: extend batches also carry one decode token of every running request
             (decoding never waits behind arriving prompts); False = prefill-first, decode only
             when no prompt is waiting.

@@ -112,6 +112,14 @@ class Engine:
                                   RadixCache(disabled=cc.disable_radix_cache),
                                   build_tiers(loaded, cc, mc, self.kv_pool,
                                               self.tp is not None))
+        if not sc.disable_jump_forward and (self.runner.quant_report.amx_modules
+                                            or self.runner.quant_report.prefill_copy_bytes):
+            # passes of 64+ rows (a verify pass can be one) run on AMX tiles or dense bf16
+            # copies, single steps on the int4 kernel: verified drafts could then change an
+            # output, which jump-forward must never do (RELIABILITY rule 8);
+            # --enable-deterministic-inference keeps every pass on the int4 kernel, and it on
+            sc = dataclasses.replace(sc, disable_jump_forward=True)
+            self.config = dataclasses.replace(self.config, scheduler=sc)
         if sc.speculative_ngram is None:  # auto: drafts only where they cannot change outputs
             sc = dataclasses.replace(sc, speculative_ngram=DEFAULT_NGRAM_TOKENS
                                      if self.runner.batch_invariant else 0)

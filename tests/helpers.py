@@ -25,6 +25,19 @@ def _exact_quantization() -> str:
 EXACT_QUANTIZATION = _exact_quantization()
 
 
+def _exact_engine() -> dict:
+    from kernels.cpu_features import at_least, cpu_isa
+
+    # the AMX class's default runs extends of 64+ tokens on AMX tiles (dense bf16 copies where
+    # the CPU has none): not the int4 kernel's rows; its deterministic mode keeps them there
+    amx = EXACT_QUANTIZATION == "int4" and at_least("amx", cpu_isa())
+    return {"quantization": EXACT_QUANTIZATION, **({"deterministic_inference": True} if amx else {})}
+
+
+# Engine keyword arguments of the equality tests: EXACT_QUANTIZATION on row-invariant kernels
+EXACT_ENGINE = _exact_engine()
+
+
 def tiny_config(kind: str = "llama", **overrides):
     """A 2-layer, hidden-64 config of the given family (transformers config object)."""
     from transformers import (

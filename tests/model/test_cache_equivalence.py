@@ -1,5 +1,5 @@
 """Radix cache on vs off on a tiny fp32 model, its weights quantized as the default model's are
-(``EXACT_QUANTIZATION``): identical greedy outputs (RELIABILITY rule 5).
+(``EXACT_ENGINE``): identical greedy outputs (RELIABILITY rule 5).
 
 The reference is an engine with ``disable_radix_cache=True``; the engine under test warms its
 cache with part of the workload first, so the measured batch mixes hits and misses.
@@ -13,10 +13,10 @@ import random
 import pytest
 
 from server.engine import Engine
-from tests.helpers import EXACT_QUANTIZATION, assert_no_request_memory
+from tests.helpers import EXACT_ENGINE, assert_no_request_memory
 
 SP = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
-EXACT = {"dtype": "float32", "quantization": EXACT_QUANTIZATION, "context_length": 512}
+EXACT = {"dtype": "float32", **EXACT_ENGINE, "context_length": 512}
 
 
 def _tokens(rng, n):

@@ -13,7 +13,7 @@ import pytest
 from server.constrained.jump_forward import draft_tokens
 from server.constrained.spec import make_spec
 from server.engine import Engine
-from tests.helpers import EXACT_QUANTIZATION, has_default_model
+from tests.helpers import EXACT_ENGINE, has_default_model
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 12}, "city": {"const": "東京 café"},
@@ -24,12 +24,12 @@ REGEX = r"(ID|Key)-[0-9]{2,4}: (red|green|blue)( and (red|green|blue))?\."
 
 
 def _pair(path, **kw):
-    # The weights quantized as a GGUF model's are, on the native kernels (EXACT_QUANTIZATION):
+    # The weights quantized as a GGUF model's are, on the native kernels (EXACT_ENGINE):
     # every kernel on that path computes a row the same whatever else is in its pass, so the
     # verify pass of a draft and one-token steps agree bitwise.
     # n-gram drafts off: these tests are about jump-forward's (tests/model/test_ngram_speculation)
     kw = {"speculative_ngram": 0, **kw}
-    return [Engine(path, context_length=512, max_total_tokens=8192, quantization=EXACT_QUANTIZATION,
+    return [Engine(path, context_length=512, max_total_tokens=8192, **EXACT_ENGINE,
                    disable_jump_forward=off, **kw) for off in (True, False)]
 
 
@@ -294,3 +294,23 @@ def test_greedy_grammar_rows_decided_beside_sampled_and_logprob_rows(engines):
     alone = [key(eng.run([r])[0]) for r in requests()]
     assert together == alone
     assert together[1][1] and not together[0][1]  # the logprobs went to the row that asked
+
+
+def test_the_amx_class_default_keeps_jump_forward_off_unless_deterministic(make_tiny_model):
+    """The bf16/AMX class runs extends of 64+ tokens on AMX tiles (or dense bf16 copies) and
+    single steps on the int4 kernel, so a verify pass could round a draft differently from
+    the step it stands for: the Engine turns jump-forward off there, and
+    --enable-deterministic-inference (every pass on the int4 kernel) keeps it on."""
+    if EXACT_ENGINE["quantization"] != "int4":
+        pytest.skip("the native kernels are not built here")
+    path, _ = make_tiny_model("llama", seed=11)
+    common = {"context_length": 256, "max_total_tokens": 2048, "quantization": "int4",
+              "cpu_isa": "amx"}
+    default = Engine(path, **common)
+    report = default.runner.quant_report
+    assert report.amx_modules or report.prefill_copy_bytes
+    assert default.config.scheduler.disable_jump_forward
+    assert default.scheduler.jump_forward_tokenizer is None
+    exact = Engine(path, deterministic_inference=True, **common)
+    assert not exact.config.scheduler.disable_jump_forward
+    assert exact.scheduler.jump_forward_tokenizer is not None

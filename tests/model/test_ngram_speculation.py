@@ -9,7 +9,7 @@ import pytest
 from server.config import DEFAULT_NGRAM_TOKENS
 from server.engine import Engine
 from server.scheduler.ngram import ngram_draft
-from tests.helpers import EXACT_QUANTIZATION
+from tests.helpers import EXACT_ENGINE, EXACT_QUANTIZATION
 
 
 def test_proposer_finds_the_latest_earlier_ngram():
@@ -31,7 +31,7 @@ def test_drafts_never_change_outputs(make_tiny_model, sp):
     params = {"max_new_tokens": 24, "ignore_eos": True, **sp}
     outs, passes = {}, {}
     for k in (0, 6):
-        eng = Engine(path, dtype="float32", quantization=EXACT_QUANTIZATION,
+        eng = Engine(path, dtype="float32", **EXACT_ENGINE,
                      context_length=256, max_total_tokens=2048, speculative_ngram=k)
 
         def run(batch):
@@ -59,7 +59,7 @@ def test_constrained_requests_take_ngram_drafts_the_grammar_accepts(make_tiny_mo
     prompt = [11, 12, 13, 14, 15, 16, 17, 18] * 3
     outs, stats = {}, {}
     for k in (0, 6):
-        eng = Engine(path, dtype="float32", quantization=EXACT_QUANTIZATION,
+        eng = Engine(path, dtype="float32", **EXACT_ENGINE,
                      context_length=256, max_total_tokens=2048, speculative_ngram=k)
         outs[k] = eng.generate(input_ids=prompt, sampling_params=params)["output_ids"]
         stats[k] = eng.scheduler.stats
@@ -78,11 +78,11 @@ def test_drafts_are_on_by_default_only_where_the_runner_is_batch_invariant(make_
     assert dense.scheduler.speculative_ngram == dense.config.scheduler.speculative_ngram == 0
     if EXACT_QUANTIZATION == "none":  # no native kernels on this machine: nothing else to check
         return
-    exact = Engine(path, quantization=EXACT_QUANTIZATION, **common)
+    exact = Engine(path, **EXACT_ENGINE, **common)
     assert exact.runner.batch_invariant and exact.runner.quant_report.row_invariant
     assert exact.scheduler.speculative_ngram == DEFAULT_NGRAM_TOKENS
     assert exact.config.scheduler.speculative_ngram == DEFAULT_NGRAM_TOKENS
-    off = Engine(path, quantization=EXACT_QUANTIZATION, speculative_ngram=0, **common)
+    off = Engine(path, **EXACT_ENGINE, speculative_ngram=0, **common)
     assert off.scheduler.speculative_ngram == 0
     torch_ops = Engine(path, quantization=EXACT_QUANTIZATION, cpu_isa="none", **common)
     assert not torch_ops.runner.batch_invariant
