@@ -8,18 +8,18 @@ second against a large dense matmul, for the shapes of a model at several row co
 
 Each shape is [K, N] (in_features x out_features) as int4 (the packed Q4_1 layout), then the
 default model's int8 lm_head [576, 49152] unless ``--no-lm-head``. Every linear kernel this
-machine runs (``--kernels``, default all: "avx2", "avx512_vnni"), the AMX int4 kernel
-where the machine has AMX tiles, and oneDNN's dense bf16 matmul of the dequantized weight
-(``F.linear``, the dense prefill copies' path) are timed on the same inputs. Per cell: milliseconds a call (median of ``--reps``), GB/s of packed weight read,
-and GFLOP/s. The limits printed first: the copy bandwidth, dense fp32 and bf16 2048^3 matmuls
-(oneDNN; the bf16 one is "the matrix units' peak" where the CPU has bf16 dot products). The
-machine's CPU class is printed first. Weights are cache-resident when they fit (the same ones
-every call), so a model's real decode, which streams every layer's weights from memory, runs
-slower: ``--layers 30`` adds one row through 30 layers of the int4 shapes, each with its own
-weights, called in order as a decode step calls them (the weights stream from DRAM), against
-``torch.sum`` over the same weights in the same order (a plain read's rate at these per-call
-sizes, each call starting and ending its threads), alternated in the same run.
-"""
+machine runs (``--kernels``, default all: "avx2", "avx512_vnni"), the AMX int4 kernel where the
+machine has AMX tiles, and oneDNN's dense bf16 matmul of the dequantized weight (``F.linear``,
+the dense prefill copies' path) are timed on the same inputs. Per cell: milliseconds a call
+(median of ``--reps``), GB/s of packed weight read, and GFLOP/s. The limits printed first: the
+copy bandwidth, dense fp32 and bf16 2048^3 matmuls (oneDNN; the bf16 one is "the matrix units'
+peak" where the CPU has bf16 dot products). The machine's CPU class is printed first. Weights
+are cache-resident when they fit (the same ones every call), so a model's real decode, which
+streams every layer's weights from memory, runs slower: ``--layers 30`` adds one row through 30
+layers of the int4 shapes, each with its own weights, called in order as a decode step calls
+them (the weights stream from DRAM), against ``torch.sum`` over the same weights in the same
+order (a plain read's rate at these per-call sizes, each call starting and ending its threads),
+alternated in the same run."""
 
 from __future__ import annotations
 

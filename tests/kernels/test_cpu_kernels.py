@@ -168,9 +168,11 @@ def test_the_attention_kernel_follows_the_cpu_class(make_tiny_model):
 
     path, _ = make_tiny_model("llama")
     for isa, kernel in [("avx2", "avx2"), ("avx512_vnni", "avx512_vnni"),
-                        ("avx512_bf16", "avx512_bf16")]:
+                        ("avx512_bf16", "avx512_bf16"), ("amx", "amx")]:
         if not (at_least(isa, detected_isa()) and native.available("avx512_vnni")) \
                 and kernel != "avx2":
+            continue
+        if kernel == "amx" and not native.amx_available():
             continue
         engine = Engine(path, max_total_tokens=512, context_length=128, dtype="bfloat16",
                         quantization="int4", cpu_isa=isa)
