@@ -20,6 +20,7 @@
 
 #include "../csrc/attention_impl.h"
 #include "attention_chunk512.h"
+#include "attention_entry.h"
 #include "attention_pairs.h"
 
 #pragma GCC push_options
@@ -122,34 +123,23 @@ struct AmxChunk {
 
 namespace sgl_cpu_vnni {
 
-at::Tensor attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
-                     const at::Tensor& req_to_token, const at::Tensor& req_rows,
-                     const at::Tensor& prefix_lens, const at::Tensor& extend_lens, double scale,
-                     int64_t window, double softcap);
-bool amx_available();
+bool amx_available();  // amx_linear.cpp
 
-// As sgl_cpu::attention; bfloat16 q and K/V with head_dim % 32 == 0 take the AMX kernel,
-// anything else the float32 AVX-512 one. Raises where the machine gives no AMX tiles.
+// As sgl_cpu::attention, on the AMX kernel (attention_entry.h). Raises where the machine gives
+// no AMX tiles.
 at::Tensor attention_amx(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
                          const at::Tensor& req_to_token, const at::Tensor& req_rows,
                          const at::Tensor& prefix_lens, const at::Tensor& extend_lens,
                          double scale, int64_t window, double softcap) {
   TORCH_CHECK(amx_available(), "attention_amx needs AMX-BF16 tiles (amx_available() is false)");
-  if (q.scalar_type() != at::kBFloat16 || k_buf.scalar_type() != at::kBFloat16 ||
-      q.dim() != 3 || q.size(2) % 32 != 0)
-    return attention(q, k_buf, v_buf, req_to_token, req_rows, prefix_lens, extend_lens, scale,
-                     window, softcap);
-  return sgl_cpu::attention_forward<sgl_cpu::AmxChunk>(
-      q, k_buf, v_buf, req_to_token, req_rows, prefix_lens, extend_lens, scale, window, softcap);
+  return attention_on_bf16_chunk<sgl_cpu::AmxChunk>(q, k_buf, v_buf, req_to_token, req_rows,
+                                                    prefix_lens, extend_lens, scale, window,
+                                                    softcap);
 }
 
 }  // namespace sgl_cpu_vnni
 
-TORCH_LIBRARY_FRAGMENT(sgl_cpu_vnni, m) {
-  m.def("attention_amx(Tensor q, Tensor k_buf, Tensor v_buf, Tensor req_to_token, "
-        "Tensor req_rows, Tensor prefix_lens, Tensor extend_lens, float scale, int window, "
-        "float softcap) -> Tensor");
-}
+TORCH_LIBRARY_FRAGMENT(sgl_cpu_vnni, m) { m.def(SGL_ATTENTION_SCHEMA("attention_amx")); }
 
 TORCH_LIBRARY_IMPL(sgl_cpu_vnni, CPU, m) {
   m.impl("attention_amx", &sgl_cpu_vnni::attention_amx);

@@ -22,6 +22,7 @@
 
 #include "../csrc/attention_impl.h"
 #include "attention_chunk512.h"
+#include "attention_entry.h"
 #include "attention_pairs.h"
 
 
@@ -225,32 +226,19 @@ struct Bf16Chunk {
 
 namespace sgl_cpu_vnni {
 
-at::Tensor attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
-                     const at::Tensor& req_to_token, const at::Tensor& req_rows,
-                     const at::Tensor& prefix_lens, const at::Tensor& extend_lens, double scale,
-                     int64_t window, double softcap);
-
-// As sgl_cpu::attention; bfloat16 q and K/V with head_dim % 32 == 0 take the bf16 dot-product
-// kernel, anything else the float32 AVX-512 one.
+// As sgl_cpu::attention, on the bf16 dot-product kernel (attention_entry.h).
 at::Tensor attention_bf16(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
                           const at::Tensor& req_to_token, const at::Tensor& req_rows,
                           const at::Tensor& prefix_lens, const at::Tensor& extend_lens,
                           double scale, int64_t window, double softcap) {
-  if (q.scalar_type() != at::kBFloat16 || k_buf.scalar_type() != at::kBFloat16 ||
-      q.dim() != 3 || q.size(2) % 32 != 0)
-    return attention(q, k_buf, v_buf, req_to_token, req_rows, prefix_lens, extend_lens, scale,
-                     window, softcap);
-  return sgl_cpu::attention_forward<sgl_cpu::Bf16Chunk>(
-      q, k_buf, v_buf, req_to_token, req_rows, prefix_lens, extend_lens, scale, window, softcap);
+  return attention_on_bf16_chunk<sgl_cpu::Bf16Chunk>(q, k_buf, v_buf, req_to_token, req_rows,
+                                                     prefix_lens, extend_lens, scale, window,
+                                                     softcap);
 }
 
 }  // namespace sgl_cpu_vnni
 
-TORCH_LIBRARY_FRAGMENT(sgl_cpu_vnni, m) {
-  m.def("attention_bf16(Tensor q, Tensor k_buf, Tensor v_buf, Tensor req_to_token, "
-        "Tensor req_rows, Tensor prefix_lens, Tensor extend_lens, float scale, int window, "
-        "float softcap) -> Tensor");
-}
+TORCH_LIBRARY_FRAGMENT(sgl_cpu_vnni, m) { m.def(SGL_ATTENTION_SCHEMA("attention_bf16")); }
 
 TORCH_LIBRARY_IMPL(sgl_cpu_vnni, CPU, m) {
   m.impl("attention_bf16", &sgl_cpu_vnni::attention_bf16);
