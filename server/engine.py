@@ -30,13 +30,13 @@ from server.cache.radix_tree import RadixCache
 from server.cache.req_table import ReqToTokenTable
 from server.cache.tiers import build_tiers
 from server.chat_template import render_chat
-from server.config import DEFAULT_NGRAM_TOKENS, ConfigError, EngineConfig
+from server.config import ConfigError, EngineConfig
 from server.constrained.grammar import GrammarCompiler
 from server.constrained.reasoning_gate import ReasoningGatedMatcher
 from server.constrained.spec import make_spec
 from server.detokenizer import OutputText, StopRegexTimeout
 from server.images import EngineImages
-from server.model.build import build_runner, encoder_engine_config
+from server.model.build import build_runner, draft_options, encoder_engine_config
 from server.model.loader import load_model
 from server.model.lora_files import LoraError
 from server.model.lora_registry import LoraRegistry, slot_shape
@@ -112,18 +112,8 @@ class Engine:
                                   RadixCache(disabled=cc.disable_radix_cache),
                                   build_tiers(loaded, cc, mc, self.kv_pool,
                                               self.tp is not None))
-        if not sc.disable_jump_forward and (self.runner.quant_report.amx_modules
-                                            or self.runner.quant_report.prefill_copy_bytes):
-            # passes of 64+ rows (a verify pass can be one) run on AMX tiles or dense bf16
-            # copies, single steps on the int4 kernel: verified drafts could then change an
-            # output, which jump-forward must never do (RELIABILITY rule 8);
-            # --enable-deterministic-inference keeps every pass on the int4 kernel, and it on
-            sc = dataclasses.replace(sc, disable_jump_forward=True)
-            self.config = dataclasses.replace(self.config, scheduler=sc)
-        if sc.speculative_ngram is None:  # auto: drafts only where they cannot change outputs
-            sc = dataclasses.replace(sc, speculative_ngram=DEFAULT_NGRAM_TOKENS
-                                     if self.runner.batch_invariant else 0)
-            self.config = dataclasses.replace(self.config, scheduler=sc)
+        sc = draft_options(sc, self.runner)  # drafts only where they cannot change outputs
+        self.config = dataclasses.replace(self.config, scheduler=sc)
         self.scheduler = Scheduler(sc, self.cache, vocab_size=loaded.arch.vocab_size,
                                    context_len=self.context_len,
                                    sampler=Sampler(self.config.seed, native=linear is not None),

@@ -1,7 +1,8 @@
 """Building the model runner a resolved :class:`server.config.EngineConfig` asks for: the
 decoder's :class:`server.model.runner.ModelRunner` or an encoder's
 :class:`server.model.encoder_runner.EncoderRunner`, and the config changes an encoder needs
-(:func:`encoder_engine_config`). Called by :class:`server.engine.Engine`.
+(:func:`encoder_engine_config`), and the draft options its runner allows (:func:`draft_options`).
+Called by :class:`server.engine.Engine`.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import dataclasses
 
 from kernels.cpu_features import at_least, native_bf16
 from server.cache.kv_pool import TokenKVPool
-from server.config import ConfigError, EngineConfig
+from server.config import DEFAULT_NGRAM_TOKENS, ConfigError, EngineConfig, SchedulerConfig
 from server.model.encoder_runner import EncoderRunner
 from server.model.loader import LoadedModel
 from server.model.parallel import TPGroup
@@ -69,3 +70,18 @@ def build_runner(loaded: LoadedModel, config: EngineConfig, kv_pool: TokenKVPool
                                           min(mc.cuda_graph_max_bs, sc.max_running_requests)),
                        req_to_token=req_to_token, tp=tp, lora_slots=lora_slots,
                        max_lora_rank=max_lora_rank)
+
+
+def draft_options(sc: SchedulerConfig, runner) -> SchedulerConfig:
+    """``sc`` with its drafts resolved for ``runner`` so that they never change an output
+    (RELIABILITY rule 8): jump-forward off where extends of 64+ tokens run on AMX tiles or
+    dense bf16 copies, not the single steps' int4 kernel (a verify pass can be that long;
+    --enable-deterministic-inference keeps every pass on the int4 kernel), and n-gram drafts
+    (``speculative_ngram`` None = auto) on only where the runner is batch-invariant."""
+    qr = getattr(runner, "quant_report", None)
+    long_elsewhere = bool(qr is not None and (qr.amx_modules or qr.prefill_copy_bytes))
+    ngram = sc.speculative_ngram
+    if ngram is None:
+        ngram = DEFAULT_NGRAM_TOKENS if runner.batch_invariant else 0
+    return dataclasses.replace(sc, disable_jump_forward=sc.disable_jump_forward or long_elsewhere,
+                               speculative_ngram=ngram)

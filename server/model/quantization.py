@@ -197,12 +197,6 @@ def gguf_int4(data: np.ndarray, type_name: str, shape: tuple[int, int]) -> Quant
 
 
 # ---------------------------------------------------------------------------- modules
-def _amx_available() -> bool:
-    from kernels import cpu as native_kernels  # the kernels package loads torch ops lazily
-
-    return native_kernels.amx_available()
-
-
 def int4_supported(n: int, k: int) -> bool:
     """torch's int4 CPU packing needs N % 16 == 0 and K % 32 == 0."""
     return n % 16 == 0 and k % INT4_GROUP == 0
@@ -218,10 +212,8 @@ class QuantLinear(nn.Module):
             oneDNN matmul) for inputs of at least this many rows; None = packed only. On CPUs
             with native bf16 dot products (AVX512-BF16/AMX) a dense bf16 matmul of 256+ rows ran
             1.9-2.6x faster than the packed int4 kernel, which computes with fp32 FMAs, while
-            below ~32 rows (decode) the packed weight wins by reading 4x fewer bytes. An int4
-            weight on the "avx512_vnni" kernel where :func:`kernels.cpu.amx_available` keeps no
-            copy: those inputs run on :func:`kernels.cpu.amx_int4_linear` (AMX bf16 tiles over
-            the packed weight, dequantized a call), as fast and without the copy's memory.
+            below ~32 rows (decode) the packed weight wins by reading 4x fewer bytes. Int4 on
+            "avx512_vnni" where :func:`kernels.cpu.amx_available`: no copy, AMX tiles instead.
         native: the ``kernels.cpu`` linear kernel to run on instead of torch's packed ops
             (bfloat16 activations), or None: "avx2" (:func:`kernels.cpu.int4_linear` /
             :func:`kernels.cpu.int8_linear`: float32 FMAs over weights dequantized in
@@ -241,9 +233,11 @@ class QuantLinear(nn.Module):
         super().__init__()
         n, k = weight.shape
         self.dense_min_rows = dense_min_rows
-        # long extends on AMX tiles over the packed weight instead of a dense copy
-        self.amx = dense_min_rows is not None and native == "avx512_vnni" and \
-            weight.kind == "int4" and _amx_available()
+        self.amx = False  # long extends on AMX tiles over the packed weight, no dense copy
+        if dense_min_rows is not None and native == "avx512_vnni" and weight.kind == "int4":
+            from kernels import cpu as native_kernels
+
+            self.amx = native_kernels.amx_available()
         self.register_buffer("dense", None if dense_min_rows is None or self.amx
                              else weight.dequantize().to(COMPUTE_DTYPE), persistent=False)
         self.kind, self.in_features, self.out_features = weight.kind, k, n
@@ -305,8 +299,6 @@ class QuantLinear(nn.Module):
         else torch's packed op."""
         shape = x.shape
         if self.native:
-            if self.amx and x.numel() >= self.dense_min_rows * self.in_features:
-                return self._amx_forward(x)
             dense = self.dense
             if dense is None or x.numel() < self.dense_min_rows * self.in_features:
                 return self._native_forward(x)
@@ -321,15 +313,6 @@ class QuantLinear(nn.Module):
         y = y.to(x.dtype).view(*shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
-    def _amx_forward(self, x: torch.Tensor) -> torch.Tensor:
-        # as sgl_cpu::DecoderStack calls it: float32 in (rounded to bf16 inside), float32 out
-        x2 = x.reshape(-1, self.in_features)
-        if x2.dtype is not torch.float32 and x2.dtype is not torch.bfloat16:
-            x2 = x2.float()
-        y = torch.ops.sgl_cpu_vnni.amx_int4_linear(x2.contiguous(), self.packed, self.out_features)
-        y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias.to(y.dtype)
-
     def _native_forward(self, x: torch.Tensor) -> torch.Tensor:
         # The decode path: ~120 calls a step, so no op is issued that would change nothing (a
         # reshape of a 2-D input, a cast to the same dtype, contiguous() of a contiguous one).
@@ -339,7 +322,9 @@ class QuantLinear(nn.Module):
             x2 = x2.float()
         if not x2.is_contiguous():
             x2 = x2.contiguous()
-        if self.native == "avx512_vnni":
+        if self.amx and x2.shape[0] >= self.dense_min_rows:  # as sgl_cpu::DecoderStack calls it
+            y = torch.ops.sgl_cpu_vnni.amx_int4_linear(x2, self.packed, self.out_features)
+        elif self.native == "avx512_vnni":
             y = (torch.ops.sgl_cpu_vnni.int4_linear(x2, self.packed, self.out_features)
                  if self.kind == "int4" else
                  torch.ops.sgl_cpu_vnni.int8_linear(x2, self.packed, self.scales_and_zeros))

