@@ -29,6 +29,7 @@
 
 #include "../csrc/linear_inputs.h"
 #include "../csrc/work_ranges.h"
+#include "amx_tiles.h"
 #include "packed_layout.h"
 #include "vec512.h"
 
@@ -58,14 +59,6 @@ bool tiles_permitted() {
   }();
   return ok;
 }
-
-// palette 1, all 8 tiles 16 rows x 64 bytes: tmm0-3 C (float32), tmm4-5 A (activation rows),
-// tmm6-7 B (weight pair rows)
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
-  uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
-};
 
 // Tile t of a packed int4 weight (its G blocks at w) -> panel [G][16 pair rows][16 features]
 // [2] bf16: pair row p of block g holds inputs 32 g + 2 p, 32 g + 2 p + 1 of every feature (B's
@@ -108,7 +101,8 @@ AMX_TARGET void dequantize_q4_tile(const uint8_t* w, int64_t G, c10::BFloat16* p
 }
 
 // c [32][32] float32 = rows a (two 16-row A tiles at a, a + 16 lda; lda in elements) times the
-// panels b0, b1 (two 16-feature tiles) over G blocks of 32 inputs.
+// panels b0, b1 (two 16-feature tiles) over G blocks of 32 inputs. Tiles (TileConfig): tmm0-3 C
+// (float32), tmm4-5 A (activation rows), tmm6-7 B (weight pair rows).
 AMX_TARGET void tile_2x2(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* b0,
                          const c10::BFloat16* b1, int64_t G, float* c) {
   _tile_zero(0);
@@ -130,11 +124,6 @@ AMX_TARGET void tile_2x2(const c10::BFloat16* a, int64_t lda, const c10::BFloat1
   _tile_stored(1, c + 16, 128);
   _tile_stored(2, c + 16 * 32, 128);
   _tile_stored(3, c + 16 * 32 + 16, 128);
-}
-
-AMX_TARGET void load_tile_config() {
-  static const TileConfig config;
-  _tile_loadconfig(&config);
 }
 
 // The per-thread scratch: a zero-padded copy of a last partial step of rows and the C tiles'

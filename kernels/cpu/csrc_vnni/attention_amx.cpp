@@ -20,6 +20,7 @@
 
 #include "../csrc/attention_impl.h"
 #include "attention_chunk512.h"
+#include "amx_tiles.h"
 #include "attention_entry.h"
 #include "attention_pairs.h"
 
@@ -29,22 +30,12 @@
 namespace sgl_cpu {
 namespace {
 
-// palette 1, all 8 tiles 16 rows x 64 bytes (the configuration amx_linear.cpp loads too)
-struct alignas(64) AttentionTiles {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
-  uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
-};
-
 struct AmxChunk {
   static constexpr bool kPrescaled = false, kStage = false, kBase2 = true;
 
   // Each work item configures the tiles of its thread (other code in the process, oneDNN's
   // GEMMs, may change or release them between items).
-  static void begin_item() {
-    static const AttentionTiles config;
-    _tile_loadconfig(&config);
-  }
+  static void begin_item() { sgl_cpu_vnni::load_tile_config(); }
 
   template <int NV, typename T>
   static void attend(const ChunkRows<T>& rows, int units, const float* const* q,
@@ -122,8 +113,6 @@ struct AmxChunk {
 #pragma GCC pop_options
 
 namespace sgl_cpu_vnni {
-
-bool amx_available();  // amx_linear.cpp
 
 // As sgl_cpu::attention, on the AMX kernel (attention_entry.h). Raises where the machine gives
 // no AMX tiles.
