@@ -72,14 +72,14 @@ def build_runner(loaded: LoadedModel, config: EngineConfig, kv_pool: TokenKVPool
                        max_lora_rank=max_lora_rank)
 
 
-def draft_options(sc: SchedulerConfig, runner) -> SchedulerConfig:
+def draft_options(sc: SchedulerConfig, runner: ModelRunner | EncoderRunner) -> SchedulerConfig:
     """``sc`` with its drafts resolved for ``runner`` so that they never change an output
     (RELIABILITY rule 8): jump-forward off where extends of 64+ tokens run on AMX tiles or
     dense bf16 copies, not the single steps' int4 kernel (a verify pass can be that long;
     --enable-deterministic-inference keeps every pass on the int4 kernel), and n-gram drafts
     (``speculative_ngram`` None = auto) on only where the runner is batch-invariant."""
-    qr = getattr(runner, "quant_report", None)
-    long_elsewhere = bool(qr is not None and (qr.amx_modules or qr.prefill_copy_bytes))
+    qr = runner.quant_report
+    long_elsewhere = bool(qr.amx_modules or qr.prefill_copy_bytes)
     ngram = sc.speculative_ngram
     if ngram is None:
         ngram = DEFAULT_NGRAM_TOKENS if runner.batch_invariant else 0

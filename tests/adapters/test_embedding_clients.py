@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
 import numpy as np
 import pytest
 
@@ -92,8 +93,6 @@ def test_sglang_rerank_reorders_documents_by_the_servers_scores(default_server):
     assert scores == sorted(scores, reverse=True) and all(0 <= s <= 1 for s in scores)
     every = SGLangRerank(base_url=default_server.url, top_n=None).rerank(
         query, [d.page_content for d in docs])
-    import httpx
-
     if httpx.get(f"{default_server.url}/get_model_info").json()["batch_invariant"]:
         assert [(d.id, d.metadata["relevance_score"]) for d in kept] == \
             [(str(k), s) for k, s in every[:2]]

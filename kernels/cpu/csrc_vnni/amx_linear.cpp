@@ -1,13 +1,13 @@
 // The int4 linear layers on AMX bf16 tiles, for prefill-sized passes (sgl_cpu_vnni::amx_*):
 // each 16-feature tile of the VNNI int4 weight (packed_layout.h) is dequantized once a call
 // into a bf16 panel of one per-call buffer, all tiles in parallel (w = d * q + m in float32,
-// FMA, rounded to nearest even bf16), and the bf16 activations are multiplied with it by TDPBF16PS (16 rows x 16
-// features x 32 inputs an instruction, float32 accumulation in the tile over all of K): 2 x 2
-// tiles of 16 rows and 16 features a step, as oneDNN's brgemm blocks them (Intel's AMX
-// programming reference, "Intel Advanced Matrix Extensions", Architecture Instruction Set
-// Extensions Programming Reference ch. 3). No int8 activations and no per-block float
-// epilogue: that epilogue (a tile store and 4 float ops a row every 32 inputs) held the int8
-// tiles (TDPBSUD) to 0.3-0.4 TOP/s a core here, the VNNI kernel's rate.
+// FMA, rounded to nearest even bf16), and the bf16 activations are multiplied with it by
+// TDPBF16PS (16 rows x 16 features x 32 inputs an instruction, float32 accumulation in the
+// tile over all of K): 2 x 2 tiles of 16 rows and 16 features a step, as oneDNN's brgemm
+// blocks them (Intel's AMX programming reference, "Intel Advanced Matrix Extensions",
+// Architecture Instruction Set Extensions Programming Reference ch. 3). No int8 activations
+// and no per-block float epilogue: that epilogue (a tile store and 4 float ops a row every 32
+// inputs) held the int8 tiles (TDPBSUD) to 0.3-0.4 TOP/s a core here, the VNNI kernel's rate.
 //
 // Numerics: the weights are the dequantized int4 values rounded to bf16 (what the dense bf16
 // copies this replaces held), the activations bf16 as given (float32 ones are rounded first),

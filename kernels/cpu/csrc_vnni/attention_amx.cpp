@@ -19,8 +19,8 @@
 #include <torch/library.h>
 
 #include "../csrc/attention_impl.h"
-#include "attention_chunk512.h"
 #include "amx_tiles.h"
+#include "attention_chunk512.h"
 #include "attention_entry.h"
 #include "attention_pairs.h"
 
@@ -33,8 +33,7 @@ namespace {
 struct AmxChunk {
   static constexpr bool kPrescaled = false, kStage = false, kBase2 = true;
 
-  // Each work item configures the tiles of its thread (other code in the process, oneDNN's
-  // GEMMs, may change or release them between items).
+  // Each work item configures the tiles of its thread (amx_tiles.h).
   static void begin_item() { sgl_cpu_vnni::load_tile_config(); }
 
   template <int NV, typename T>
