@@ -37,7 +37,10 @@ constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 // always passed in place); kBase2: its scores, running max m and exponentials are in base 2
 // (scores scaled by log2(e), exp2), else base e. Each unit's arithmetic must not depend on
 // the other units it is computed with. Optionally static void begin_item(), called on the
-// thread that runs a work item before its chunks (the AMX kernel configures its tiles there).
+// thread that runs a work item before its chunks (the AMX kernel configures its tiles there),
+// and template <int NV, typename KV> static constexpr bool kSpan: where true, attend_tile hands
+// the whole item to Chunk::attend_span<NV>(attend_tile's arguments but the scratch), which
+// runs its chunks itself and writes every unit's partial (m, l, acc).
 
 inline float exp1(float x) {
   alignas(32) float buf[8] = {x, 0, 0, 0, 0, 0, 0, 0};

@@ -64,6 +64,21 @@ inline void write_single_partial(const float* part, T* o, int64_t D) {
     store8(o + d, _mm256_mul_ps(_mm256_add_ps(zero, load8(part + 2 + d)), vi));
 }
 
+// The chunk at c0's K/V row pointers (nullptr outside [a, e)) and the rows AHEAD positions on
+// to prefetch (nullptr past e), read through the sequence's slot indices.
+template <typename KV>
+inline void chunk_rows_at(ChunkRows<KV>& rows, int64_t c0, int64_t a, int64_t e, const KV* kbuf,
+                          const KV* vbuf, int64_t row_stride, const int64_t* slots) {
+  for (int64_t j = 0; j < CHUNK; ++j) {
+    const int64_t p = c0 + j;
+    const bool in = p >= a && p < e, pf = in && p + AHEAD < e;
+    rows.k[j] = in ? kbuf + slots[p] * row_stride : nullptr;
+    rows.v[j] = in ? vbuf + slots[p] * row_stride : nullptr;
+    rows.ahead[j][0] = pf ? reinterpret_cast<const char*>(kbuf + slots[p + AHEAD] * row_stride) : nullptr;
+    rows.ahead[j][1] = pf ? reinterpret_cast<const char*>(vbuf + slots[p + AHEAD] * row_stride) : nullptr;
+  }
+}
+
 // Online softmax (Milakov & Gimelshein 2018) of the `rows` query tokens' `group` heads (q:
 // [rows * group] pointers to each unit's query, as the chunk kernel takes it) over the positions [a, e) of one KV head of one
 // sequence. Positions are visited in chunks of CHUNK aligned to absolute multiples of CHUNK;
@@ -77,6 +92,13 @@ void attend_tile(const float* const* q, const Row* rows, int nrows, int group, c
                  int64_t e, float scale, float softcap, float* kst, float* vst, float* prs,
                  bool l2) {
   constexpr int64_t nv = NV, D = 8 * NV;
+  if constexpr (requires { Chunk::template kSpan<NV, KV>; }) {
+    if constexpr (Chunk::template kSpan<NV, KV>) {  // the kernel runs the item's chunks itself
+      Chunk::template attend_span<NV>(q, rows, nrows, group, kbuf, vbuf, row_stride, slots, a, e,
+                                      scale, softcap, l2);
+      return;
+    }
+  }
   for (int r = 0; r < nrows; ++r)
     for (int g = 0; g < group; ++g) {
       float* o = rows[r].out + g * (D + 2);
@@ -107,30 +129,19 @@ void attend_tile(const float* const* q, const Row* rows, int nrows, int group, c
   }
   int all_units = 0;  // the length of that list while qs, outs and valids hold it, else 0
   for (int64_t c0 = (a / CHUNK) * CHUNK; c0 < e; c0 += CHUNK) {
-    for (int64_t j = 0; j < CHUNK; ++j) {
-      const int64_t p = c0 + j;
-      const bool in = p >= a && p < e;
-      const KV* k = in ? kbuf + slots[p] * row_stride : nullptr;
-      const KV* v = in ? vbuf + slots[p] * row_stride : nullptr;
-      const bool pf = in && p + AHEAD < e;
-      const char* kn = pf ? reinterpret_cast<const char*>(kbuf + slots[p + AHEAD] * row_stride) : nullptr;
-      const char* vn = pf ? reinterpret_cast<const char*>(vbuf + slots[p + AHEAD] * row_stride) : nullptr;
-      direct.k[j] = k;
-      direct.v[j] = v;
-      direct.ahead[j][0] = kn;
-      direct.ahead[j][1] = vn;
+    chunk_rows_at(direct, c0, a, e, kbuf, vbuf, row_stride, slots);
+    for (int64_t j = 0; j < CHUNK && stage; ++j) {
+      const KV *k = direct.k[j], *v = direct.v[j];
       staged.ahead[j][0] = staged.ahead[j][1] = nullptr;
-      if (stage) {
-        prefetch_row(kn, direct.ahead_bytes, l2);  // nothing when kn is nullptr (not pf)
-        prefetch_row(vn, direct.ahead_bytes, l2);
-        staged.k[j] = in ? kst + j * D : nullptr;
-        staged.v[j] = in ? vst + j * D : nullptr;
-        if (in)
-          for (int64_t t = 0; t < nv; ++t) {
-            store8(kst + j * D + 8 * t, load8(k + 8 * t));
-            store8(vst + j * D + 8 * t, load8(v + 8 * t));
-          }
-      }
+      prefetch_row(direct.ahead[j][0], direct.ahead_bytes, l2);  // nothing for nullptr
+      prefetch_row(direct.ahead[j][1], direct.ahead_bytes, l2);
+      staged.k[j] = k ? kst + j * D : nullptr;
+      staged.v[j] = k ? vst + j * D : nullptr;
+      if (k)
+        for (int64_t t = 0; t < nv; ++t) {
+          store8(kst + j * D + 8 * t, load8(k + 8 * t));
+          store8(vst + j * D + 8 * t, load8(v + 8 * t));
+        }
     }
     const bool all_full = c0 >= all_lo && c0 + CHUNK <= all_hi, reuse = all_full && all_units > 0;
     int units = reuse ? all_units : 0;

@@ -7,15 +7,23 @@
 // tile instruction does 16,384 FLOP in ~16 cycles.
 //
 // Per chunk of 32 positions the K rows are transposed into pair columns and the V rows
-// interleaved in position pairs (attention_pairs.h: the B layouts TDPBF16PS reads), then for
-// each block of up to 16 units (a unit: one query token x head): S = q . k^T into two 16 x 16
+// interleaved in position pairs (attention_pairs.h: the B layouts TDPBF16PS reads). Head_dim
+// 32 and 64 (attend_span): each work item lays out all its chunks, then runs each block of up
+// to 16 units (a unit: one query token x head) over them with its P.V accumulators held in
+// tiles and a running max that moves only by more than 2^8 (so the accumulators rarely leave
+// the tiles). Wider heads (attend): per chunk, for each block, S = q . k^T into two 16 x 16
 // float32 tiles (positions 0-15, 16-31) summed over the head dim 32 at a time in order, times
 // scale; the online-softmax step of attention_chunk512.h (softmax_step16, base 2 as
 // attention_bf16.cpp's kernel, p rounded to bf16); then acc = acc * rescale + P.V, the
 // rescaled accumulators loaded into tiles and the 16 position pairs of the chunk added by one
-// instruction per 16 dims. Every chunk of every pass, decode or extend, runs this same code,
-// so a token's output is bitwise the same in any pass; its bits differ from the other kernels'
-// (the order of the sums within an instruction is the hardware's).
+// instruction per 16 dims. Every chunk of every pass, decode or extend, runs the same code for
+// a head_dim, so a token's output is bitwise the same in any pass; its bits differ from the
+// other kernels' (the order of the sums within an instruction is the hardware's).
+//
+// attend_span replaced attend at head_dim 64 (SmolLM2's, Llama-3.2-1B's): SmolLM2's heads, one
+// thread, min of 40 calls, six alternated pairs of processes, Xeon with AMX (2026-11-29):
+// extends 4 x (1024 + 64) 3.65 -> 2.44 ms, 1 x (0 + 512) 1.64 -> 1.07, 4 x (650 + 3) 0.218
+// -> 0.155; decodes 16 x (512 + 1) 0.575 -> 0.517, 1 x (4096 + 1) 0.250 -> 0.218.
 #include <torch/library.h>
 
 #include "../csrc/attention_impl.h"
@@ -24,17 +32,233 @@
 #include "attention_entry.h"
 #include "attention_pairs.h"
 
+#include <memory>
+
 #pragma GCC push_options
 #pragma GCC target("avx512bf16,amx-tile,amx-bf16")
 
 namespace sgl_cpu {
 namespace {
 
+// attend_span's per-thread scratch: every chunk's transposed K and paired V, the q rows of every
+// unit, and the block's scores, probabilities and accumulators (~260 KB at head_dim 64)
+struct SpanScratch {
+  static constexpr int64_t kChunks = PART / CHUNK + 1, kUnits = TILE * MAX_GROUP, kMaxD = 64;
+  alignas(64) uint32_t kt[kChunks][kMaxD / 2 * CHUNK];
+  alignas(64) uint32_t vp[kChunks][CHUNK / 2 * kMaxD];
+  alignas(64) c10::BFloat16 qb[(kUnits + 16) * kMaxD];
+  alignas(64) float s[16 * CHUNK], o[16 * kMaxD], valid[16][CHUNK];
+  alignas(64) c10::BFloat16 pb[16 * CHUNK];
+  static SpanScratch& get() {
+    static thread_local std::unique_ptr<SpanScratch> mine;
+    if (!mine) mine.reset(new SpanScratch);
+    return *mine;
+  }
+};
+
 struct AmxChunk {
   static constexpr bool kPrescaled = false, kStage = false, kBase2 = true;
+  // head_dim 32 or 64 over bfloat16 K/V: attend_span (the accumulators fit 4 tiles)
+  template <int NV, typename KV>
+  static constexpr bool kSpan = std::is_same_v<KV, c10::BFloat16> && (NV == 4 || NV == 8);
+  // A row's running max is raised only when a chunk's max exceeds it by more than this (base 2):
+  // p <= 2^8, and the accumulators stay in their tiles (FlashAttention-4's conditional rescale)
+  static constexpr float kRescaleGap = 8.0f;
 
   // Each work item configures the tiles of its thread (amx_tiles.h).
   static void begin_item() { sgl_cpu_vnni::load_tile_config(); }
+
+  // One work item (attend_tile's arguments) with the loops the other way round: every chunk's K
+  // and V laid out for the tiles once, then for each block of 16 units (query token x head) all
+  // chunks in order, the block's P.V accumulators held in tiles 0-3 throughout. Per chunk: S =
+  // q . k^T (tiles 4, 5), its scores to memory for the online softmax (in base 2, p rounded to
+  // bf16), then P.V added to the accumulators. A row's max m moves only by more than
+  // kRescaleGap, so the accumulators leave their tiles (to be multiplied by 2^(m_old - m_new))
+  // only then: a few times a row. Each row's arithmetic depends on its own scores alone, and a
+  // chunk holding none of a row's positions leaves its m, l and accumulators as they were, so
+  // a token's output is bitwise the same in any tile, batch or pass.
+  template <int NV>
+  static void attend_span(const float* const* q, const Row* rows, int nrows, int group,
+                          const c10::BFloat16* kbuf, const c10::BFloat16* vbuf,
+                          int64_t row_stride, const int64_t* slots, int64_t a, int64_t e,
+                          float scale, float softcap, bool l2) {
+    constexpr int64_t D = 8 * NV;
+    SpanScratch& sp = SpanScratch::get();
+    const int64_t c_first = (a / CHUNK) * CHUNK;
+    const int nch = static_cast<int>((e - c_first + CHUNK - 1) / CHUNK);
+    // The first block lays out each chunk's K and V just before its products, so their reads
+    // from memory overlap its tile work (one block is all a decode item has: then into one
+    // slot, which stays in L1)
+    const int units = nrows * group;
+    const bool one_block = units <= 16;
+    auto stage = [&](int ci) {
+      ChunkRows<c10::BFloat16> cr;
+      cr.ahead_bytes = D * 2;
+      cr.ahead_l2 = l2;
+      chunk_rows_at(cr, c_first + ci * CHUNK, a, e, kbuf, vbuf, row_stride, slots);
+      transpose_k<D>(cr, sp.kt[one_block ? 0 : ci]);
+      interleave_v<D>(cr, sp.vp[one_block ? 0 : ci]);
+    };
+    for (int u = 0; u < units; ++u) {  // q as it came: bfloat16
+      const c10::BFloat16* src = reinterpret_cast<const c10::BFloat16*>(q[u]);
+      for (int64_t d = 0; d < D; d += 32)
+        _mm512_store_si512(sp.qb + u * D + d, _mm512_loadu_si512(src + d));
+    }
+    for (int u = units; u < (units + 15) / 16 * 16; ++u)  // padding rows: zero, never read
+      for (int64_t d = 0; d < D; d += 32)
+        _mm512_store_si512(sp.qb + u * D + d, _mm512_setzero_si512());
+    for (int u0 = 0; u0 < units; u0 += 16)
+      span_block<D>(sp, rows, group, u0, std::min(16, units - u0), a, e, c_first, nch, scale,
+                    softcap, u0 == 0 ? &stage : nullptr, one_block);
+  }
+
+  // The online-softmax step of span_block's rows over the chunk at c0, from their scores in
+  // sp.s: the mask ([lo, hi) per row), base-2 scores, m raised where a chunk's max exceeds it
+  // by more than kRescaleGap (corr = 2^(m_old - m_new) there, else exactly 1), l = l * corr +
+  // the sum of p, p = 2^(s - m) as bf16 into sp.pb (rows without positions here: 0). mu, l,
+  // corr: lane SLOT_OF[row] (reduce16's order). True where some row's accumulators need corr.
+  static bool span_softmax(SpanScratch& sp, int n, const int64_t* lo, const int64_t* hi,
+                           int64_t c0, __m512 qk_scale, float softcap, float* mu, float* l,
+                           float* corr) {
+    const __m512 neg_inf = _mm512_set1_ps(NEG_INF);
+    __m512 sc[16][CHUNK / 16], mx[16];
+    bool in[16];
+    for (int i = 0; i < 16; ++i) {
+      in[i] = i < n && hi[i] > c0 && lo[i] < c0 + CHUNK;
+      if (!in[i]) {
+        sc[i][0] = sc[i][1] = mx[i] = neg_inf;
+        continue;
+      }
+      const bool full = lo[i] <= c0 && hi[i] >= c0 + CHUNK;
+      if (!full)
+        for (int64_t j = 0; j < CHUNK; ++j)
+          sp.valid[i][j] = (c0 + j >= lo[i] && c0 + j < hi[i]) ? 0.0f : NEG_INF;
+      sc[i][0] = _mm512_mul_ps(_mm512_load_ps(sp.s + i * CHUNK), qk_scale);
+      sc[i][1] = _mm512_mul_ps(_mm512_load_ps(sp.s + i * CHUNK + 16), qk_scale);
+      cap_and_mask<true>(sc[i], softcap, full ? nullptr : sp.valid[i]);
+      mx[i] = _mm512_max_ps(sc[i][0], sc[i][1]);
+    }
+    const __m512 mo = _mm512_load_ps(mu);
+    const __m512 cmax = reduce16(mx, [](__m512 x, __m512 y) { return _mm512_max_ps(x, y); });
+    const __mmask16 held = _mm512_cmp_ps_mask(mo, neg_inf, _CMP_NEQ_OQ);  // rows with sums
+    const __mmask16 raise =
+        _mm512_cmp_ps_mask(cmax, _mm512_add_ps(mo, _mm512_set1_ps(kRescaleGap)), _CMP_GT_OQ) |
+        (~held & _mm512_cmp_ps_mask(cmax, neg_inf, _CMP_NEQ_OQ));
+    const __m512 mn = _mm512_mask_blend_ps(raise, mo, cmax);
+    const __m512 cv = _mm512_mask_blend_ps(raise & held, _mm512_set1_ps(1.0f),
+                                           exp2_512(_mm512_sub_ps(mo, mn)));
+    _mm512_store_ps(mu, mn);
+    _mm512_store_ps(corr, cv);
+    __m512 sums[16];
+    for (int i = 0; i < 16; ++i) {
+      const float m = mu[SLOT_OF[i]];
+      if (m == NEG_INF || !in[i]) {
+        sums[i] = _mm512_setzero_ps();
+        if (i < n) _mm512_store_si512(sp.pb + i * CHUNK, _mm512_setzero_si512());
+        continue;
+      }
+      const __m512 mv = _mm512_set1_ps(m);
+      const __m512 p0 = exp2_512(_mm512_sub_ps(sc[i][0], mv));  // 0 on masked lanes
+      const __m512 p1 = exp2_512(_mm512_sub_ps(sc[i][1], mv));
+      _mm512_store_si512(sp.pb + i * CHUNK, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+      sums[i] = _mm512_add_ps(p0, p1);
+    }
+    const __m512 lsum = reduce16(sums, [](__m512 x, __m512 y) { return _mm512_add_ps(x, y); });
+    _mm512_store_ps(l, _mm512_fmadd_ps(_mm512_load_ps(l), cv, lsum));
+    return (raise & held) != 0;
+  }
+
+  // attend_span's units u0 .. u0 + n - 1 over its nch chunks (first laying each out with stage,
+  // where given); writes their m, l, acc to out. One function: tiles 0-3 hold the block's
+  // accumulators from its first chunk to its last.
+  template <int64_t D, typename Stage>
+  static void span_block(SpanScratch& sp, const Row* rows, int group, int u0, int n, int64_t a,
+                         int64_t e, int64_t c_first, int nch, float scale, float softcap,
+                         Stage* stage, bool one_slot) {
+    constexpr int NT = D / 16;  // accumulator tiles
+    int64_t lo[16], hi[16];
+    for (int i = 0; i < 16; ++i) {
+      const Row* r = i < n ? &rows[(u0 + i) / group] : nullptr;
+      lo[i] = r ? std::max(a, r->lo) : 0;
+      hi[i] = r ? std::min(e, r->pos + 1) : 0;
+    }
+    const __m512 qk_scale = _mm512_set1_ps(softcap > 0.0f ? scale : scale * LOG2E);
+    alignas(64) float mu[16], l[16], corr[16];  // per row, in lane SLOT_OF[row]
+    for (int i = 0; i < 16; ++i) mu[i] = NEG_INF, l[i] = 0.0f;
+    for (int i = 0; i < 16; ++i) _mm512_store_si512(sp.pb + i * CHUNK, _mm512_setzero_si512());
+    _tile_zero(0);
+    _tile_zero(1);
+    if constexpr (NT == 4) {
+      _tile_zero(2);
+      _tile_zero(3);
+    }
+    for (int ci = 0; ci < nch; ++ci) {
+      const int64_t c0 = c_first + ci * CHUNK;
+      if (stage != nullptr) (*stage)(ci);
+      const uint32_t* kt = sp.kt[one_slot ? 0 : ci];
+      const uint32_t* vp = sp.vp[one_slot ? 0 : ci];
+      bool any = false;
+      for (int i = 0; i < n; ++i) any |= hi[i] > c0 && lo[i] < c0 + CHUNK;
+      if (!any) continue;  // no row's positions: nothing changes
+      _tile_zero(4);
+      _tile_zero(5);
+      for (int64_t j = 0; j < D / 32; ++j) {  // 32 dims (16 pairs) a step, in order
+        _tile_loadd(6, sp.qb + u0 * D + 32 * j, 2 * D);
+        _tile_loadd(7, kt + 16 * j * CHUNK, 4 * CHUNK);
+        _tile_dpbf16ps(4, 6, 7);
+        _tile_loadd(7, kt + 16 * j * CHUNK + 16, 4 * CHUNK);
+        _tile_dpbf16ps(5, 6, 7);
+      }
+      _tile_stored(4, sp.s, 4 * CHUNK);
+      _tile_stored(5, sp.s + 16, 4 * CHUNK);
+      if (span_softmax(sp, n, lo, hi, c0, qk_scale, softcap, mu, l, corr)) {
+        // some row's sums so far times 2^(m_old - m_new)
+        _tile_stored(0, sp.o, 4 * D);
+        _tile_stored(1, sp.o + 16, 4 * D);
+        if constexpr (NT == 4) {
+          _tile_stored(2, sp.o + 32, 4 * D);
+          _tile_stored(3, sp.o + 48, 4 * D);
+        }
+        for (int i = 0; i < n; ++i) {
+          const float c = corr[SLOT_OF[i]];
+          if (c == 1.0f) continue;
+          for (int64_t d = 0; d < D; d += 16)
+            _mm512_store_ps(sp.o + i * D + d,
+                            _mm512_mul_ps(_mm512_load_ps(sp.o + i * D + d), _mm512_set1_ps(c)));
+        }
+        _tile_loadd(0, sp.o, 4 * D);
+        _tile_loadd(1, sp.o + 16, 4 * D);
+        if constexpr (NT == 4) {
+          _tile_loadd(2, sp.o + 32, 4 * D);
+          _tile_loadd(3, sp.o + 48, 4 * D);
+        }
+      }
+      _tile_loadd(6, sp.pb, 2 * CHUNK);  // P: 16 rows x 16 position pairs
+      _tile_loadd(7, vp, 4 * D);
+      _tile_dpbf16ps(0, 6, 7);
+      _tile_loadd(4, vp + 16, 4 * D);
+      _tile_dpbf16ps(1, 6, 4);
+      if constexpr (NT == 4) {
+        _tile_loadd(5, vp + 32, 4 * D);
+        _tile_dpbf16ps(2, 6, 5);
+        _tile_loadd(7, vp + 48, 4 * D);
+        _tile_dpbf16ps(3, 6, 7);
+      }
+    }
+    _tile_stored(0, sp.o, 4 * D);
+    _tile_stored(1, sp.o + 16, 4 * D);
+    if constexpr (NT == 4) {
+      _tile_stored(2, sp.o + 32, 4 * D);
+      _tile_stored(3, sp.o + 48, 4 * D);
+    }
+    for (int i = 0; i < n; ++i) {
+      float* out = rows[(u0 + i) / group].out + ((u0 + i) % group) * (D + 2);
+      out[0] = mu[SLOT_OF[i]];
+      out[1] = l[SLOT_OF[i]];
+      for (int64_t d = 0; d < D; d += 16)
+        _mm512_storeu_ps(out + 2 + d, _mm512_load_ps(sp.o + i * D + d));
+    }
+  }
 
   template <int NV, typename T>
   static void attend(const ChunkRows<T>& rows, int units, const float* const* q,
