@@ -20,6 +20,7 @@ constexpr int64_t CHUNK = 32;  // positions per online-softmax step (aligned to 
 constexpr int64_t TILE = 64;        // query tokens of one sequence per work item, at most
 constexpr int64_t SMALL_TILE = 32;  // ... or this many where TILE leaves too few items
 constexpr int MAX_GROUP = 16;  // query heads per KV head
+constexpr int MAX_D = 256;     // head_dim, at most
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 // A chunk kernel (attention_chunk.h's Avx2Chunk, csrc_vnni/attention_chunk512.h's Avx512Chunk,

@@ -27,6 +27,7 @@
 #include <immintrin.h>
 
 #include "attention_common.h"
+#include "attention_merge.h"
 #include "attention_split.h"
 #include "vec.h"
 
@@ -45,7 +46,6 @@ constexpr int64_t AHEAD = CHUNK;  // positions between a K/V row's prefetch and 
 // from DRAM, a 4,096-token decode on Zen 5 ran 12-14% faster than with 2 chunks, 8-16 positions
 // were too late and 128+ too early; extends unchanged. On Zen 4, prefetching into L2
 // (prefetch_into_l2), 32 was also best: 16-24 and 48-96 slower)
-constexpr int MAX_D = 256;
 
 struct Row {          // one query token of a tile
   int64_t lo, pos;    // it attends to positions [lo, pos]
@@ -305,38 +305,8 @@ void run(const at::Tensor& q, const at::Tensor& kbuf, const at::Tensor& vbuf,
   const std::vector<int64_t> bounds = split_by_cost(items, tok_pos, tok_lo, group);
   run_items(bounds, D, Chunk::kPrescaled, work);
   // merge each token's partitions in order (m in base 2 for a kBase2 kernel: 2^x = e^(x ln 2))
-  const float unit = Chunk::kBase2 ? 0.693147180559945309f : 1.0f;
-  at::parallel_for(0, ntok * Hq, 16, [&](int64_t lo_i, int64_t hi_i) {
-    std::vector<float> acc(D);
-    for (int64_t w = lo_i; w < hi_i; ++w) {
-      const int64_t tk = w / Hq, hq = w % Hq;
-      T* o = op + (tk * Hq + hq) * D;
-      const float* first = partials.get() + part_off[tk] * pstride + hq * (D + 2);
-      // One partition (every token of a prompt's first PART positions): written by its work
-      // item (write_single_partial), the same bits as the merge below without its two exp
-      // calls (~10% of a 2 x 512 prefill's attention) or a second read of the partial.
-      if (part_off[tk + 1] - part_off[tk] == 1 && first[1] > 0.0f && std::isfinite(first[0]))
-        continue;
-      float m = NEG_INF, l = 0.0f;
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t pi = part_off[tk]; pi < part_off[tk + 1]; ++pi) {
-        const float* part = partials.get() + pi * pstride + hq * (D + 2);
-        if (part[1] == 0.0f) continue;
-        const float mx = std::max(m, part[0]);
-        const float ca = m == NEG_INF ? 0.0f : exp1((m - mx) * unit);
-        const float cb = exp1((part[0] - mx) * unit);
-        const __m256 va = _mm256_set1_ps(ca), vb = _mm256_set1_ps(cb);
-        for (int64_t d = 0; d < D; d += 8)  // acc * ca + part * cb, rounded as written
-          store8(acc.data() + d, _mm256_add_ps(_mm256_mul_ps(load8(acc.data() + d), va),
-                                               _mm256_mul_ps(load8(part + 2 + d), vb)));
-        l = l * ca + part[1] * cb;
-        m = mx;
-      }
-      const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-      const __m256 vi = _mm256_set1_ps(inv);
-      for (int64_t d = 0; d < D; d += 8) store8(o + d, _mm256_mul_ps(load8(acc.data() + d), vi));
-    }
-  });
+  merge_partials(partials.get(), part_off.data(), ntok, Hq, D,
+                 Chunk::kBase2 ? 0.693147180559945309f : 1.0f, op);
 }
 
 // q [T, Hq, D] float32/bfloat16 (rows may be strided: a view into a fused qkv); k_buf, v_buf
