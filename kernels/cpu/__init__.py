@@ -192,6 +192,14 @@ def amx_int4_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) ->
     return torch.ops.sgl_cpu_vnni.amx_int4_linear(x, packed, out_features)
 
 
+def amx_int4_linear_silu(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x [M, K] (as :func:`amx_int4_linear`) @ a fused [gate; up] weight [N = 2 I, K] that
+    :func:`vnni_pack_int4` packed (I % 16 == 0) -> silu(gate) * up [M, I] in x's dtype, bitwise
+    ``silu_mul(amx_int4_linear(x, packed, N))`` without the [M, N] intermediate. Raises
+    RuntimeError as :func:`amx_int4_linear` does, or for N not a multiple of 32."""
+    return torch.ops.sgl_cpu_vnni.amx_int4_linear_silu(x, packed, out_features)
+
+
 def vnni_pack_int8(w: torch.Tensor) -> torch.Tensor:
     """Repack an int8 weight [N, K] (K % 32 == 0) for :func:`vnni_int8_linear`: returns
     [ceil(N / 16), K // 32 * 512] uint8 (w + 128 in VNNI order). Raises RuntimeError."""

@@ -64,6 +64,22 @@ def test_float32_input_is_rounded_to_bf16_first():
     assert torch.equal(y32.bfloat16(), y16)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_fused_gate_up_silu_is_bitwise_silu_mul_of_the_linear(dtype):
+    """Gate and up tiles side by side (I = 48: three tiles each, an odd pair count), row counts
+    around the 32-row step: the same bits as the unfused linear and the SiLU op."""
+    _, packed, _ = _weights(96, 128, seed=8)
+    g = torch.Generator().manual_seed(9)
+    for m in (1, 31, 32, 33, 100):
+        x = torch.randn(m, 128, generator=g).to(dtype)
+        fused = native.amx_int4_linear_silu(x, packed, 96)
+        unfused = torch.ops.sgl_cpu_vnni.silu_mul(native.amx_int4_linear(x, packed, 96))
+        assert fused.shape == (m, 48) and fused.dtype == dtype
+        assert torch.equal(fused, unfused)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        native.amx_int4_linear_silu(torch.randn(4, 128).bfloat16(), _weights(80, 128, seed=1)[1], 80)
+
+
 def test_bad_inputs_are_errors_not_crashes():
     _, packed, _ = _weights(48, 64, seed=6)
     with pytest.raises(RuntimeError, match="packed must be"):

@@ -289,10 +289,12 @@ class DecoderStack : public torch::CustomClassHolder {
         h = add_norm(o, x, layer.post_norm);
       }
       at::Tensor act;
-      // fused: the same values, without the [T, 2 I] one (not where AMX runs the pass)
-      if (layer.fused_gate_up && !lora && !layer.linears[2].on_amx(h)) {
+      // fused: the same values, without the [T, 2 I] one (on AMX tiles for long passes)
+      if (layer.fused_gate_up && !lora) {
         static const auto f = op<Int4Op>("sgl_cpu_vnni::int4_linear_silu");
-        act = f.call(h, layer.linears[2].packed, layer.linears[2].out_features);
+        static const auto fa = op<Int4Op>("sgl_cpu_vnni::amx_int4_linear_silu");
+        act = (layer.linears[2].on_amx(h) ? fa : f)
+                  .call(h, layer.linears[2].packed, layer.linears[2].out_features);
       } else {
         act = layer.linears[2](h);
         if (lora) act = lora->add_to(l, 2, h, act);
