@@ -15,8 +15,9 @@ Linear-layer kernels (:data:`LINEAR_KERNELS`; shapes in each docstring below):
 Both compute every output row bitwise independently of the other rows of the batch.
   * ``"amx"`` (prefill only): :func:`amx_int4_linear`, the VNNI int4 layout dequantized to bf16
     panels once a call and multiplied with the bf16 activations on AMX tiles
-    (``csrc_vnni/amx_linear.cpp``); :func:`amx_available` says whether it runs here. Rows are
-    independent of each other, but not the VNNI kernel's bits.
+    (``csrc_vnni/amx_linear.cpp``), and :func:`amx_int4_linear_silu` for a fused [gate; up]
+    weight; :func:`amx_available` says whether they run here. Rows are independent of each
+    other, but not the VNNI kernel's bits.
 Attention kernels (:data:`ATTENTION_KERNELS`, :mod:`kernels.cpu.attention`), one driver
 (``csrc/attention_impl.h``) over four chunk kernels: "avx2" (``sgl_cpu::attention``),
 "avx512_vnni" (``sgl_cpu_vnni::attention``: float32 FMAs on 16 lanes), "avx512_bf16"

@@ -168,6 +168,26 @@ struct AmxChunk {
     return (raise & held) != 0;
   }
 
+  // The D / 16 accumulator tiles (0-3) to / from o [16][D] float32.
+  template <int64_t D>
+  static void store_acc(float* o) {
+    _tile_stored(0, o, 4 * D);
+    _tile_stored(1, o + 16, 4 * D);
+    if constexpr (D == 64) {
+      _tile_stored(2, o + 32, 4 * D);
+      _tile_stored(3, o + 48, 4 * D);
+    }
+  }
+  template <int64_t D>
+  static void load_acc(const float* o) {
+    _tile_loadd(0, o, 4 * D);
+    _tile_loadd(1, o + 16, 4 * D);
+    if constexpr (D == 64) {
+      _tile_loadd(2, o + 32, 4 * D);
+      _tile_loadd(3, o + 48, 4 * D);
+    }
+  }
+
   // attend_span's units u0 .. u0 + n - 1 over its nch chunks (first laying each out with stage,
   // where given); writes their m, l, acc to out. One function: tiles 0-3 hold the block's
   // accumulators from its first chunk to its last.
@@ -213,12 +233,7 @@ struct AmxChunk {
       _tile_stored(5, sp.s + 16, 4 * CHUNK);
       if (span_softmax(sp, n, lo, hi, c0, qk_scale, softcap, mu, l, corr)) {
         // some row's sums so far times 2^(m_old - m_new)
-        _tile_stored(0, sp.o, 4 * D);
-        _tile_stored(1, sp.o + 16, 4 * D);
-        if constexpr (NT == 4) {
-          _tile_stored(2, sp.o + 32, 4 * D);
-          _tile_stored(3, sp.o + 48, 4 * D);
-        }
+        store_acc<D>(sp.o);
         for (int i = 0; i < n; ++i) {
           const float c = corr[SLOT_OF[i]];
           if (c == 1.0f) continue;
@@ -226,12 +241,7 @@ struct AmxChunk {
             _mm512_store_ps(sp.o + i * D + d,
                             _mm512_mul_ps(_mm512_load_ps(sp.o + i * D + d), _mm512_set1_ps(c)));
         }
-        _tile_loadd(0, sp.o, 4 * D);
-        _tile_loadd(1, sp.o + 16, 4 * D);
-        if constexpr (NT == 4) {
-          _tile_loadd(2, sp.o + 32, 4 * D);
-          _tile_loadd(3, sp.o + 48, 4 * D);
-        }
+        load_acc<D>(sp.o);
       }
       _tile_loadd(6, sp.pb, 2 * CHUNK);  // P: 16 rows x 16 position pairs
       _tile_loadd(7, vp, 4 * D);
@@ -245,12 +255,7 @@ struct AmxChunk {
         _tile_dpbf16ps(3, 6, 7);
       }
     }
-    _tile_stored(0, sp.o, 4 * D);
-    _tile_stored(1, sp.o + 16, 4 * D);
-    if constexpr (NT == 4) {
-      _tile_stored(2, sp.o + 32, 4 * D);
-      _tile_stored(3, sp.o + 48, 4 * D);
-    }
+    store_acc<D>(sp.o);
     for (int i = 0; i < n; ++i) {
       float* out = rows[(u0 + i) / group].out + ((u0 + i) % group) * (D + 2);
       out[0] = mu[SLOT_OF[i]];
