@@ -103,38 +103,58 @@ AMX_TARGET void dequantize_q4_tile(const uint8_t* w, int64_t G, c10::BFloat16* p
 
 // c [32][32] float32 = rows a (two 16-row A tiles at a, a + 16 lda; lda in elements) times the
 // panels b0, b1 (two 16-feature tiles) over G blocks of 32 inputs. Tiles (TileConfig): tmm0-3 C
-// (float32), tmm4-5 A (activation rows), tmm6-7 B (weight pair rows).
+// (float32), tmm4-5 A (activation rows), tmm6-7 B (weight pair rows). Each operand is loaded for
+// the next block right after this block's last TDPBF16PS that reads it is issued, so the loads
+// run under the multiplies: where tile loads bound the step (~50 cycles each in the VM's slow
+// phases, as long as 3 TDPBF16PS), 508-535 -> 584-605 GFLOP/s a core in a /tmp model of the
+// loop (K = 576 and 1536, 448 rows of L2-resident activations, 2026-11-29).
+//
+// between(r0, r1) runs in G slices, rows [0, 32) split over the loop's iterations, after each
+// iteration's tile instructions: the previous step's epilogue (vector work) issued among the
+// tile instructions runs while the tile unit multiplies, where after them it ran alone.
+template <typename Between>
 AMX_TARGET void tile_2x2(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* b0,
-                         const c10::BFloat16* b1, int64_t G, float* c) {
+                         const c10::BFloat16* b1, int64_t G, float* c, Between&& between) {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
   const int64_t stride = lda * 2;
-  for (int64_t g = 0; g < G; ++g) {
-    _tile_loadd(4, a + 32 * g, stride);
-    _tile_loadd(5, a + 16 * lda + 32 * g, stride);
-    _tile_loadd(6, b0 + g * PANEL_BLOCK, 64);
-    _tile_loadd(7, b1 + g * PANEL_BLOCK, 64);
+  _tile_loadd(4, a, stride);
+  _tile_loadd(6, b0, 64);
+  _tile_loadd(5, a + 16 * lda, stride);
+  _tile_loadd(7, b1, 64);
+  for (int64_t g = 1; g < G; ++g) {
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 4, 7);
+    _tile_loadd(4, a + 32 * g, stride);
     _tile_dpbf16ps(2, 5, 6);
+    _tile_loadd(6, b0 + g * PANEL_BLOCK, 64);
     _tile_dpbf16ps(3, 5, 7);
+    _tile_loadd(5, a + 16 * lda + 32 * g, stride);
+    _tile_loadd(7, b1 + g * PANEL_BLOCK, 64);
+    between(ROWS * (g - 1) / (G - 1), ROWS * g / (G - 1));
   }
+  if (G == 1) between(0, ROWS);
+  _tile_dpbf16ps(0, 4, 6);
+  _tile_dpbf16ps(1, 4, 7);
+  _tile_dpbf16ps(2, 5, 6);
+  _tile_dpbf16ps(3, 5, 7);
   _tile_stored(0, c, 128);
   _tile_stored(1, c + 16, 128);
   _tile_stored(2, c + 16 * 32, 128);
   _tile_stored(3, c + 16 * 32 + 16, 128);
 }
 
-// The per-thread scratch: a zero-padded copy of a last partial step of rows and the C tiles'
-// float32 output, 64-byte aligned.
+// The per-thread scratch: a zero-padded copy of a last partial step of rows and two buffers for
+// the C tiles' float32 output (a step's, and the previous step's until its epilogue is done),
+// 64-byte aligned.
 struct Scratch {
   std::vector<c10::BFloat16> tail;
   std::vector<float> c;
-  explicit Scratch(int64_t K) : tail(ROWS * K), c(ROWS * 32 + 16) {}
-  float* c_tiles() {
-    return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(c.data()) + 63) & ~uintptr_t(63));
+  explicit Scratch(int64_t K) : tail(ROWS * K), c(2 * ROWS * 32 + 16) {}
+  float* c_tiles(int i) {
+    return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(c.data()) + 63) & ~uintptr_t(63)) + i * ROWS * 32;
   }
 };
 
@@ -145,11 +165,15 @@ constexpr int64_t ROW_BLOCK_BYTES = 512 * 1024;
 
 // y = xb [M, K] bf16 times the packed weight's `tiles` tiles: every tile is dequantized into one
 // bf16 buffer first (each once a call, in parallel), then each thread takes a contiguous range
-// of tile pairs and runs it over the rows block by block (ROW_BLOCK_BYTES): out(m0, rows, c, u)
-// gets each 32-row step's c [32][32] float32 of tile pair u (columns 0-15 tile 2u, 16-31 tile
-// 2u + 1, or tile 2u again where that is the last; with gate_up, a fused [gate; up] weight's
-// tiles u and tiles / 2 + u: a feature's gate and up side by side).
-template <typename Out>
+// of tile pairs and runs it over the rows block by block (ROW_BLOCK_BYTES): out(m0, r0, r1, c,
+// u) gets rows [r0, r1) of each 32-row step's c [32][32] float32 of tile pair u (columns 0-15
+// tile 2u, 16-31 tile 2u + 1, or tile 2u again where that is the last; with gate_up, a fused
+// [gate; up] weight's tiles u and tiles / 2 + u: a feature's gate and up side by side), right
+// after the step, or with OVERLAP during the next step's tile work (tile_2x2's `between`; the
+// item's last step after it): for the SiLU epilogue (~25% of the step's time alone) 0.85-0.87x
+// the time, for a plain store 1.00-1.08x (the slices' overhead; two builds taking turns call by
+// call, 30 rounds, 2026-11-29).
+template <bool OVERLAP, typename Out>
 void run_tiles(const c10::BFloat16* xb, int64_t M, int64_t K, const uint8_t* w, int64_t tiles,
                Out out, bool gate_up = false) {
   const int64_t G = K / QK, tile_bytes = G * Q4_BLOCK;
@@ -174,7 +198,11 @@ void run_tiles(const c10::BFloat16* xb, int64_t M, int64_t K, const uint8_t* w, 
         const int64_t t0 = gate_up ? u : 2 * u, t1 = gate_up ? units + u : std::min(2 * u + 1, tiles - 1);
         const c10::BFloat16* p0 = pp + t0 * G * PANEL_BLOCK;
         const c10::BFloat16* p1 = pp + t1 * G * PANEL_BLOCK;
-        float* c = s.c_tiles();
+        float *c = s.c_tiles(0), *prev = s.c_tiles(1);
+        int64_t prev_m0 = -1, prev_rows = 0;
+        auto epilogue = [&](int64_t r0, int64_t r1) {  // of the previous step, rows [r0, r1)
+          if (prev_m0 >= 0 && r0 < prev_rows) out(prev_m0, r0, std::min(r1, prev_rows), prev, u);
+        };
         for (int64_t m0 = i / len(r) * rows_per_block; m0 < m1; m0 += ROWS) {
           const int64_t rows = std::min(ROWS, M - m0);
           const c10::BFloat16* a = xb + m0 * K;
@@ -184,9 +212,17 @@ void run_tiles(const c10::BFloat16* xb, int64_t M, int64_t K, const uint8_t* w, 
             std::fill(t + rows * K, t + ROWS * K, c10::BFloat16(0.0f));
             a = t;
           }
-          tile_2x2(a, K, p0, p1, G, c);
-          out(m0, rows, c, u);
+          if constexpr (OVERLAP) {
+            tile_2x2(a, K, p0, p1, G, c, epilogue);
+            std::swap(c, prev);
+            prev_m0 = m0;
+            prev_rows = rows;
+          } else {
+            tile_2x2(a, K, p0, p1, G, c, [](int64_t, int64_t) {});
+            out(m0, 0, rows, c, u);
+          }
         }
+        epilogue(0, ROWS);
       });
 }
 
@@ -213,12 +249,12 @@ at::Tensor amx_int4_linear(const at::Tensor& x, const at::Tensor& packed, int64_
   if (M == 0) return y;
   const at::Tensor xb = x.scalar_type() == at::kBFloat16 ? x : x.to(at::kBFloat16);
   auto run = [&](auto* yp) {
-    run_tiles(xb.data_ptr<c10::BFloat16>(), M, K, packed.data_ptr<uint8_t>(), tiles,
-              [&](int64_t m0, int64_t rows, const float* c, int64_t u) {
+    run_tiles<false>(xb.data_ptr<c10::BFloat16>(), M, K, packed.data_ptr<uint8_t>(), tiles,
+              [&](int64_t m0, int64_t r0, int64_t r1, const float* c, int64_t u) {
                 for (int i = 0; i < 2 && 2 * u + i < tiles; ++i) {
                   const int64_t n0 = (2 * u + i) * TILE;
                   const __mmask16 mask = sgl_cpu::lanes(N - n0);
-                  for (int64_t r = 0; r < rows; ++r)
+                  for (int64_t r = r0; r < r1; ++r)
                     sgl_cpu::store16(yp + (m0 + r) * N + n0, _mm512_load_ps(c + 32 * r + 16 * i), mask);
                 }
               });
@@ -243,9 +279,9 @@ at::Tensor amx_int4_linear_silu(const at::Tensor& x, const at::Tensor& packed, i
   const at::Tensor xb = x.scalar_type() == at::kBFloat16 ? x : x.to(at::kBFloat16);
   auto run = [&](auto* yp) {
     using T = std::remove_pointer_t<decltype(yp)>;
-    run_tiles(xb.data_ptr<c10::BFloat16>(), M, K, packed.data_ptr<uint8_t>(), tiles,
-              [&](int64_t m0, int64_t rows, const float* c, int64_t u) {
-                for (int64_t r = 0; r < rows; ++r) {
+    run_tiles<true>(xb.data_ptr<c10::BFloat16>(), M, K, packed.data_ptr<uint8_t>(), tiles,
+              [&](int64_t m0, int64_t r0, int64_t r1, const float* c, int64_t u) {
+                for (int64_t r = r0; r < r1; ++r) {
                   const __m512 g = sgl_cpu::round_to<T>(_mm512_load_ps(c + 32 * r));
                   const __m512 v = sgl_cpu::round_to<T>(_mm512_load_ps(c + 32 * r + 16));
                   sgl_cpu::store16(yp + (m0 + r) * I + u * TILE, sgl_cpu::silu_times<T>(g, v));
