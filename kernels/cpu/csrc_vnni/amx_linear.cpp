@@ -154,7 +154,8 @@ struct Scratch {
   std::vector<float> c;
   explicit Scratch(int64_t K) : tail(ROWS * K), c(2 * ROWS * 32 + 16) {}
   float* c_tiles(int i) {
-    return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(c.data()) + 63) & ~uintptr_t(63)) + i * ROWS * 32;
+    const uintptr_t p = (reinterpret_cast<uintptr_t>(c.data()) + 63) & ~uintptr_t(63);
+    return reinterpret_cast<float*>(p) + i * ROWS * 32;
   }
 };
 
