@@ -109,8 +109,8 @@ AMX_TARGET void dequantize_q4_tile(const uint8_t* w, int64_t G, c10::BFloat16* p
 // phases, as long as 3 TDPBF16PS), 508-535 -> 584-605 GFLOP/s a core in a /tmp model of the
 // loop (K = 576 and 1536, 448 rows of L2-resident activations, 2026-11-29).
 //
-// between(r0, r1) runs in G slices, rows [0, 32) split over the loop's iterations, after each
-// iteration's tile instructions: the previous step's epilogue (vector work) issued among the
+// between(r0, r1) runs in G - 1 slices (one where G is 1), rows [0, 32) split over the loop's
+// iterations, after each iteration's tile instructions: the previous step's epilogue (vector work) issued among the
 // tile instructions runs while the tile unit multiplies, where after them it ran alone.
 template <typename Between>
 AMX_TARGET void tile_2x2(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* b0,
@@ -171,7 +171,7 @@ constexpr int64_t ROW_BLOCK_BYTES = 512 * 1024;
 // tile 2u, 16-31 tile 2u + 1, or tile 2u again where that is the last; with gate_up, a fused
 // [gate; up] weight's tiles u and tiles / 2 + u: a feature's gate and up side by side), right
 // after the step, or with OVERLAP during the next step's tile work (tile_2x2's `between`; the
-// item's last step after it): for the SiLU epilogue (~25% of the step's time alone) 0.85-0.87x
+// item's last step after it): for the SiLU epilogue (~25% of the step's time alone) 0.81-0.87x
 // the time, for a plain store 1.00-1.08x (the slices' overhead; two builds taking turns call by
 // call, 30 rounds, 2026-11-29).
 template <bool OVERLAP, typename Out>
