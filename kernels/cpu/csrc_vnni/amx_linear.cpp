@@ -110,8 +110,9 @@ AMX_TARGET void dequantize_q4_tile(const uint8_t* w, int64_t G, c10::BFloat16* p
 // loop (K = 576 and 1536, 448 rows of L2-resident activations, 2026-11-29).
 //
 // between(r0, r1) runs in G - 1 slices (one where G is 1), rows [0, 32) split over the loop's
-// iterations, after each iteration's tile instructions: the previous step's epilogue (vector work) issued among the
-// tile instructions runs while the tile unit multiplies, where after them it ran alone.
+// iterations, after each iteration's tile instructions: the previous step's epilogue (vector
+// work) issued among the tile instructions runs while the tile unit multiplies, where after
+// them it ran alone.
 template <typename Between>
 AMX_TARGET void tile_2x2(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* b0,
                          const c10::BFloat16* b1, int64_t G, float* c, Between&& between) {
