@@ -61,7 +61,7 @@ timeout 120 $PY "$PEERS/agree.py" --url http://127.0.0.1:8090 --system sgl
 timeout 120 $PY "$PEERS/agree.py" --url "http://127.0.0.1:$PORT" --system "$PEER"
 bench() {  # SYSTEM PORT WORKLOAD REP: the other server stopped meanwhile
   for name in "${!group[@]}"; do
-    [ "$name" = "$1" ] && kill -CONT -- "-${group[$name]}" || kill -STOP -- "-${group[$name]}"
+    if [ "$name" = "$1" ]; then kill -CONT -- "-${group[$name]}"; else kill -STOP -- "-${group[$name]}"; fi
   done
   sleep 1
   timeout 3000 $PY "$PEERS/bench.py" --url "http://127.0.0.1:$2" --system "$1" --workloads "$3" \

@@ -87,18 +87,11 @@ inline void chunk_rows_at(ChunkRows<KV>& rows, int64_t c0, int64_t a, int64_t e,
 // place, except that bfloat16 rows shared by more than 4 units (extend tiles) are staged as
 // float32 once per chunk; the two give bitwise the same result (conversion is exact).
 template <typename Chunk, int NV, typename KV>
-void attend_tile(const float* const* q, const Row* rows, int nrows, int group, const KV* kbuf,
-                 const KV* vbuf, int64_t row_stride, const int64_t* slots, int64_t a,
-                 int64_t e, float scale, float softcap, float* kst, float* vst, float* prs,
-                 bool l2) {
+void attend_chunks(const float* const* q, const Row* rows, int nrows, int group, const KV* kbuf,
+                   const KV* vbuf, int64_t row_stride, const int64_t* slots, int64_t a,
+                   int64_t e, float scale, float softcap, float* kst, float* vst, float* prs,
+                   bool l2) {
   constexpr int64_t nv = NV, D = 8 * NV;
-  if constexpr (requires { Chunk::template kSpan<NV, KV>; }) {
-    if constexpr (Chunk::template kSpan<NV, KV>) {  // the kernel runs the item's chunks itself
-      Chunk::template attend_span<NV>(q, rows, nrows, group, kbuf, vbuf, row_stride, slots, a, e,
-                                      scale, softcap, l2);
-      return;
-    }
-  }
   for (int r = 0; r < nrows; ++r)
     for (int g = 0; g < group; ++g) {
       float* o = rows[r].out + g * (D + 2);
@@ -162,6 +155,25 @@ void attend_tile(const float* const* q, const Row* rows, int nrows, int group, c
     if (stage) Chunk::template attend<NV>(staged, units, qs, outs, valids, scale, softcap, prs);
     else Chunk::template attend<NV>(direct, units, qs, outs, valids, scale, softcap, prs);
   }
+}
+
+// attend_tile: attend_chunks, or the chunk kernel's own loop over the item's chunks where it has
+// one for these widths (Chunk::kSpan; then attend_chunks is not instantiated for them).
+template <typename Chunk, int NV, typename KV>
+void attend_tile(const float* const* q, const Row* rows, int nrows, int group, const KV* kbuf,
+                 const KV* vbuf, int64_t row_stride, const int64_t* slots, int64_t a,
+                 int64_t e, float scale, float softcap, float* kst, float* vst, float* prs,
+                 bool l2) {
+  constexpr bool span = [] {
+    if constexpr (requires { Chunk::template kSpan<NV, KV>; }) return Chunk::template kSpan<NV, KV>;
+    else return false;
+  }();
+  if constexpr (span)
+    Chunk::template attend_span<NV>(q, rows, nrows, group, kbuf, vbuf, row_stride, slots, a, e,
+                                    scale, softcap, l2);
+  else
+    attend_chunks<Chunk, NV, KV>(q, rows, nrows, group, kbuf, vbuf, row_stride, slots, a, e, scale,
+                                 softcap, kst, vst, prs, l2);
 }
 
 template <typename Chunk, typename T, typename KV>
