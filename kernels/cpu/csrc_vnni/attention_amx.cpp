@@ -47,7 +47,7 @@ struct SpanScratch {
   alignas(64) uint32_t kt[kChunks][kMaxD / 2 * CHUNK];
   alignas(64) uint32_t vp[kChunks][CHUNK / 2 * kMaxD];
   alignas(64) c10::BFloat16 qb[(kUnits + 16) * kMaxD];
-  alignas(64) float s[16 * CHUNK], o[16 * kMaxD], valid[16][CHUNK];
+  alignas(64) float s[16 * CHUNK], o[16 * kMaxD];
   alignas(64) c10::BFloat16 pb[16 * CHUNK];
   static SpanScratch& get() {
     static thread_local std::unique_ptr<SpanScratch> mine;
@@ -113,59 +113,60 @@ struct AmxChunk {
   }
 
   // The online-softmax step of span_block's rows over the chunk at c0, from their scores in
-  // sp.s: the mask ([lo, hi) per row), base-2 scores, m raised where a chunk's max exceeds it
-  // by more than kRescaleGap (corr = 2^(m_old - m_new) there, else exactly 1), l = l * corr +
-  // the sum of p, p = 2^(s - m) as bf16 into sp.pb (rows without positions here: 0). mu, l,
-  // corr: lane SLOT_OF[row] (reduce16's order). True where some row's accumulators need corr.
+  // sp.s: the mask ([lo, hi) per row), base-2 scores x, and p = 2^(x - m) as bf16 into sp.pb
+  // (rows without positions here: 0), added to the row's 16 lane sums lv[row]. A row's max m
+  // is raised only where some x exceeds it by more than kRescaleGap (to the chunk's max; its
+  // lane sums then times corr = 2^(m_old - m_new)), so the common step is a compare of x - m
+  // that exp2 needs anyway, no max across lanes. Writes corr[row] (1 where m stays). True
+  // where some row's accumulators need corr.
   static bool span_softmax(SpanScratch& sp, int n, const int64_t* lo, const int64_t* hi,
-                           int64_t c0, __m512 qk_scale, float softcap, float* mu, float* l,
+                           int64_t c0, __m512 qk_scale, float softcap, float* mu, __m512* lv,
                            float* corr) {
-    const __m512 neg_inf = _mm512_set1_ps(NEG_INF);
-    __m512 sc[16][CHUNK / 16], mx[16];
-    bool in[16];
+    const __m512 neg_inf = _mm512_set1_ps(NEG_INF), gap = _mm512_set1_ps(kRescaleGap);
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    bool rescale = false;
     for (int i = 0; i < 16; ++i) {
-      in[i] = i < n && hi[i] > c0 && lo[i] < c0 + CHUNK;
-      if (!in[i]) {
-        sc[i][0] = sc[i][1] = mx[i] = neg_inf;
+      corr[i] = 1.0f;
+      if (i >= n || hi[i] <= c0 || lo[i] >= c0 + CHUNK) {  // none of its positions here
+        _mm512_store_si512(sp.pb + i * CHUNK, _mm512_setzero_si512());
         continue;
       }
-      const bool full = lo[i] <= c0 && hi[i] >= c0 + CHUNK;
-      if (!full)
-        for (int64_t j = 0; j < CHUNK; ++j)
-          sp.valid[i][j] = (c0 + j >= lo[i] && c0 + j < hi[i]) ? 0.0f : NEG_INF;
-      sc[i][0] = _mm512_mul_ps(_mm512_load_ps(sp.s + i * CHUNK), qk_scale);
-      sc[i][1] = _mm512_mul_ps(_mm512_load_ps(sp.s + i * CHUNK + 16), qk_scale);
-      cap_and_mask<true>(sc[i], softcap, full ? nullptr : sp.valid[i]);
-      mx[i] = _mm512_max_ps(sc[i][0], sc[i][1]);
-    }
-    const __m512 mo = _mm512_load_ps(mu);
-    const __m512 cmax = reduce16(mx, [](__m512 x, __m512 y) { return _mm512_max_ps(x, y); });
-    const __mmask16 held = _mm512_cmp_ps_mask(mo, neg_inf, _CMP_NEQ_OQ);  // rows with sums
-    const __mmask16 raise =
-        _mm512_cmp_ps_mask(cmax, _mm512_add_ps(mo, _mm512_set1_ps(kRescaleGap)), _CMP_GT_OQ) |
-        (~held & _mm512_cmp_ps_mask(cmax, neg_inf, _CMP_NEQ_OQ));
-    const __m512 mn = _mm512_mask_blend_ps(raise, mo, cmax);
-    const __m512 cv = _mm512_mask_blend_ps(raise & held, _mm512_set1_ps(1.0f),
-                                           exp2_512(_mm512_sub_ps(mo, mn)));
-    _mm512_store_ps(mu, mn);
-    _mm512_store_ps(corr, cv);
-    __m512 sums[16];
-    for (int i = 0; i < 16; ++i) {
-      const float m = mu[SLOT_OF[i]];
-      if (m == NEG_INF || !in[i]) {
-        sums[i] = _mm512_setzero_ps();
-        if (i < n) _mm512_store_si512(sp.pb + i * CHUNK, _mm512_setzero_si512());
-        continue;
+      __m512 x[2];
+      for (int h = 0; h < 2; ++h) {
+        x[h] = _mm512_mul_ps(_mm512_load_ps(sp.s + i * CHUNK + 16 * h), qk_scale);
+        if (softcap > 0.0f) {
+          alignas(64) float buf[16];
+          _mm512_store_ps(buf, x[h]);
+          for (int j = 0; j < 16; ++j) buf[j] = softcap * std::tanh(buf[j] / softcap);
+          x[h] = _mm512_mul_ps(_mm512_load_ps(buf), _mm512_set1_ps(LOG2E));
+        }
       }
-      const __m512 mv = _mm512_set1_ps(m);
-      const __m512 p0 = exp2_512(_mm512_sub_ps(sc[i][0], mv));  // 0 on masked lanes
-      const __m512 p1 = exp2_512(_mm512_sub_ps(sc[i][1], mv));
+      if (lo[i] > c0 || hi[i] < c0 + CHUNK)  // lanes outside [lo, hi): -inf
+        for (int h = 0; h < 2; ++h) {
+          const __m512i off = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(c0 + 16 * h - lo[i])), lane);
+          const __mmask16 in = _mm512_cmplt_epu32_mask(off, _mm512_set1_epi32(static_cast<int>(hi[i] - lo[i])));
+          x[h] = _mm512_mask_blend_ps(in, neg_inf, x[h]);
+        }
+      float m = mu[i];
+      __m512 mv = _mm512_set1_ps(m), d0 = _mm512_sub_ps(x[0], mv), d1 = _mm512_sub_ps(x[1], mv);
+      // the row's first positions (m = -inf: d = +inf or NaN), or some x past m + gap
+      if (m == NEG_INF || (_mm512_cmp_ps_mask(d0, gap, _CMP_GT_OQ) | _mm512_cmp_ps_mask(d1, gap, _CMP_GT_OQ))) {
+        const float cmax = _mm512_reduce_max_ps(_mm512_max_ps(x[0], x[1]));
+        if (m != NEG_INF) {
+          corr[i] = exp2_512(_mm512_set1_ps(m - cmax))[0];
+          lv[i] = _mm512_mul_ps(lv[i], _mm512_set1_ps(corr[i]));
+          rescale = true;
+        }
+        mu[i] = m = cmax;
+        mv = _mm512_set1_ps(m);
+        d0 = _mm512_sub_ps(x[0], mv);
+        d1 = _mm512_sub_ps(x[1], mv);
+      }
+      const __m512 p0 = exp2_512(d0), p1 = exp2_512(d1);  // 0 on masked lanes
       _mm512_store_si512(sp.pb + i * CHUNK, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
-      sums[i] = _mm512_add_ps(p0, p1);
+      lv[i] = _mm512_add_ps(lv[i], _mm512_add_ps(p0, p1));
     }
-    const __m512 lsum = reduce16(sums, [](__m512 x, __m512 y) { return _mm512_add_ps(x, y); });
-    _mm512_store_ps(l, _mm512_fmadd_ps(_mm512_load_ps(l), cv, lsum));
-    return (raise & held) != 0;
+    return rescale;
   }
 
   // The D / 16 accumulator tiles (0-3) to / from o [16][D] float32.
@@ -203,8 +204,9 @@ struct AmxChunk {
       hi[i] = r ? std::min(e, r->pos + 1) : 0;
     }
     const __m512 qk_scale = _mm512_set1_ps(softcap > 0.0f ? scale : scale * LOG2E);
-    alignas(64) float mu[16], l[16], corr[16];  // per row, in lane SLOT_OF[row]
-    for (int i = 0; i < 16; ++i) mu[i] = NEG_INF, l[i] = 0.0f;
+    alignas(64) float mu[16], corr[16];  // per row
+    __m512 lv[16];                        // per row: its sum of p, 16 lanes
+    for (int i = 0; i < 16; ++i) mu[i] = NEG_INF, lv[i] = _mm512_setzero_ps();
     for (int i = 0; i < 16; ++i) _mm512_store_si512(sp.pb + i * CHUNK, _mm512_setzero_si512());
     _tile_zero(0);
     _tile_zero(1);
@@ -231,11 +233,11 @@ struct AmxChunk {
       }
       _tile_stored(4, sp.s, 4 * CHUNK);
       _tile_stored(5, sp.s + 16, 4 * CHUNK);
-      if (span_softmax(sp, n, lo, hi, c0, qk_scale, softcap, mu, l, corr)) {
+      if (span_softmax(sp, n, lo, hi, c0, qk_scale, softcap, mu, lv, corr)) {
         // some row's sums so far times 2^(m_old - m_new)
         store_acc<D>(sp.o);
         for (int i = 0; i < n; ++i) {
-          const float c = corr[SLOT_OF[i]];
+          const float c = corr[i];
           if (c == 1.0f) continue;
           for (int64_t d = 0; d < D; d += 16)
             _mm512_store_ps(sp.o + i * D + d,
@@ -258,8 +260,8 @@ struct AmxChunk {
     store_acc<D>(sp.o);
     for (int i = 0; i < n; ++i) {
       float* out = rows[(u0 + i) / group].out + ((u0 + i) % group) * (D + 2);
-      out[0] = mu[SLOT_OF[i]];
-      out[1] = l[SLOT_OF[i]];
+      out[0] = mu[i];
+      out[1] = _mm512_reduce_add_ps(lv[i]);
       for (int64_t d = 0; d < D; d += 16)
         _mm512_storeu_ps(out + 2 + d, _mm512_load_ps(sp.o + i * D + d));
     }
