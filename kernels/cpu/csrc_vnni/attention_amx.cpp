@@ -156,14 +156,17 @@ struct AmxChunk {
       }
       if (lo[i] > c0 || hi[i] < c0 + CHUNK)  // lanes outside [lo, hi): -inf
         for (int h = 0; h < 2; ++h) {
-          const __m512i off = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(c0 + 16 * h - lo[i])), lane);
-          const __mmask16 in = _mm512_cmplt_epu32_mask(off, _mm512_set1_epi32(static_cast<int>(hi[i] - lo[i])));
+          const int first = static_cast<int>(c0 + 16 * h - lo[i]), len = static_cast<int>(hi[i] - lo[i]);
+          const __m512i off = _mm512_add_epi32(_mm512_set1_epi32(first), lane);
+          const __mmask16 in = _mm512_cmplt_epu32_mask(off, _mm512_set1_epi32(len));
           x[h] = _mm512_mask_blend_ps(in, neg_inf, x[h]);
         }
       float m = mu[i];
       __m512 mv = _mm512_set1_ps(m), d0 = _mm512_sub_ps(x[0], mv), d1 = _mm512_sub_ps(x[1], mv);
       // the row's first positions (m = -inf: d = +inf or NaN), or some x past m + gap
-      if (m == NEG_INF || (_mm512_cmp_ps_mask(d0, gap, _CMP_GT_OQ) | _mm512_cmp_ps_mask(d1, gap, _CMP_GT_OQ))) {
+      const __mmask16 past =
+          _mm512_cmp_ps_mask(d0, gap, _CMP_GT_OQ) | _mm512_cmp_ps_mask(d1, gap, _CMP_GT_OQ);
+      if (m == NEG_INF || past) {
         const float cmax = _mm512_reduce_max_ps(_mm512_max_ps(x[0], x[1]));
         if (m != NEG_INF) {
           corr[i] = exp2_512(_mm512_set1_ps(m - cmax))[0];
@@ -220,7 +223,6 @@ struct AmxChunk {
     alignas(64) float mu[16], corr[16];  // per row
     __m512 lv[16];                        // per row: its sum of p, 16 lanes
     for (int i = 0; i < 16; ++i) mu[i] = NEG_INF, lv[i] = _mm512_setzero_ps();
-    for (int i = 0; i < 16; ++i) _mm512_store_si512(sp.pb + i * CHUNK, _mm512_setzero_si512());
     _tile_zero(0);
     _tile_zero(1);
     if constexpr (NT == 4) {
