@@ -42,10 +42,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
 
 
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    """float32, or float64 where ``x`` is (tests compute an exact reference that way)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
           scale: float, softcap: float, causal: bool = False) -> torch.Tensor:
-    """Attention of float32 q [B, Hq, n, D] over k/v [B, Hkv, L, D] with a boolean ``mask``
-    broadcastable to [B, Hq, n, L] (True = visible). ``softcap`` > 0 caps the scores as
+    """Attention of float32 (or float64) q [B, Hq, n, D] over k/v [B, Hkv, L, D] with a
+    boolean ``mask`` broadcastable to [B, Hq, n, L] (True = visible). ``softcap`` > 0 caps the scores as
     ``softcap * tanh(s / softcap)`` before masking (Gemma 2, HF ``eager_attention_forward``):
     SDPA has no such option, so that case runs as explicit matmuls."""
     if not softcap:
@@ -81,9 +86,9 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         idx = req_to_token[row, lo:total]
         # 4-D [1, heads, len, D]: with 3-D inputs CPU SDPA falls back to its unfused math path
         # (3.7x slower for a 115-token extend over a 1,144-token prefix).
-        k = k_cache.index_select(0, idx).transpose(0, 1).float()[None]  # [1, Hkv, L, D]
-        v = v_cache.index_select(0, idx).transpose(0, 1).float()[None]
-        qb = q[start:start + n].transpose(0, 1).float()[None]  # [1, Hq, n, D]
+        k = _wide(k_cache.index_select(0, idx).transpose(0, 1))[None]  # [1, Hkv, L, D]
+        v = _wide(v_cache.index_select(0, idx).transpose(0, 1))[None]
+        qb = _wide(q[start:start + n].transpose(0, 1))[None]  # [1, Hq, n, D]
         if prefix == 0 and not window and not softcap:
             o = _sdpa(qb, k, v, None, scale, 0.0, causal=True)
         else:
