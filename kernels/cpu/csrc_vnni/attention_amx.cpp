@@ -144,16 +144,9 @@ struct AmxChunk {
         _mm512_store_si512(sp.pb + i * CHUNK, _mm512_setzero_si512());
         continue;
       }
-      __m512 x[2];
-      for (int h = 0; h < 2; ++h) {
-        x[h] = _mm512_mul_ps(_mm512_load_ps(sp.s + i * CHUNK + 16 * h), qk_scale);
-        if (softcap > 0.0f) {
-          alignas(64) float buf[16];
-          _mm512_store_ps(buf, x[h]);
-          for (int j = 0; j < 16; ++j) buf[j] = softcap * std::tanh(buf[j] / softcap);
-          x[h] = _mm512_mul_ps(_mm512_load_ps(buf), _mm512_set1_ps(LOG2E));
-        }
-      }
+      __m512 x[2] = {_mm512_mul_ps(_mm512_load_ps(sp.s + i * CHUNK), qk_scale),
+                     _mm512_mul_ps(_mm512_load_ps(sp.s + i * CHUNK + 16), qk_scale)};
+      cap_and_mask<true>(x, softcap, nullptr);  // soft-capping (then base 2); masks below
       if (lo[i] > c0 || hi[i] < c0 + CHUNK)  // lanes outside [lo, hi): -inf
         for (int h = 0; h < 2; ++h) {
           const int first = static_cast<int>(c0 + 16 * h - lo[i]), len = static_cast<int>(hi[i] - lo[i]);
